@@ -1,0 +1,8 @@
+"""moestream: token-streaming expert-parallel MoE for Hopper GPUs, in Python and Triton."""
+from .config import SHAPES, MoEConfig
+from .layout import BufferLayout, bytes_per_rank, make_layout
+from .reference import moe_forward, moe_forward_ranks, route
+
+__version__ = "0.1.0"
+__all__ = ["MoEConfig", "SHAPES", "BufferLayout", "make_layout", "bytes_per_rank",
+           "moe_forward", "moe_forward_ranks", "route", "__version__"]

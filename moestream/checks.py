@@ -1,0 +1,97 @@
+"""Argument validation shared by every public entry point.
+
+Each check raises ValueError naming the argument, what it got and what is allowed. The only
+check that reads tensor values (the topk_idx range) synchronises with the device; callers on a
+hot path ask for it explicitly (``validate=True``) and document it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["check_tensor", "check_routing", "check_topk_range", "check_expert_weights",
+           "INDEX_DTYPES"]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fmt_dtypes(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t: object, *, ndim: int | None = None,
+                 shape: Sequence[int | None] | None = None,
+                 dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None, contiguous: bool = False) -> torch.Tensor:
+    """Check one tensor argument; ``None`` entries in ``shape`` match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                want_s = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {want_s}, got {tuple(t.shape)} "
+                                 f"(dimension {i} differs)")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} must have dtype {_fmt_dtypes(allowed)}, got "
+                             f"{str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() once, outside the hot "
+                         f"path), got strides {t.stride()}")
+    return t
+
+
+def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                  hidden: int, top_k: int | None = None,
+                  x_dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
+                  max_tokens: int | None = None, prefix: str = "") -> int:
+    """Check x [T, H], topk_idx [T, K] int, topk_weights [T, K] fp32 on one device; return T."""
+    check_tensor(f"{prefix}x", x, ndim=2, dtype=tuple(x_dtypes))
+    T = x.shape[0]
+    if x.shape[1] != hidden:
+        raise ValueError(f"{prefix}x must have shape (T, {hidden}) (hidden size), got "
+                         f"{tuple(x.shape)}")
+    check_tensor(f"{prefix}topk_idx", topk_idx, ndim=2, dtype=INDEX_DTYPES, device=x.device)
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"{prefix}topk_idx must have one row per token of x ({T}), got shape "
+                         f"{tuple(topk_idx.shape)}")
+    if top_k is not None and topk_idx.shape[1] != top_k:
+        raise ValueError(f"{prefix}topk_idx must have top_k={top_k} columns, got shape "
+                         f"{tuple(topk_idx.shape)}")
+    check_tensor(f"{prefix}topk_weights", topk_weights, shape=tuple(topk_idx.shape),
+                 dtype=torch.float32, device=x.device)
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"{prefix}x has {T} tokens, more than max_tokens_per_rank={max_tokens} "
+                         f"that the buffer was sized for")
+    return T
+
+
+def check_topk_range(topk_idx: torch.Tensor, num_experts: int, *, name: str = "topk_idx") -> None:
+    """Values must lie in [-1, num_experts). Reads the tensor: a host synchronisation."""
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"{name} values must lie in [-1, {num_experts}) (-1 = no expert), "
+                         f"found {bad}")
+
+
+def check_expert_weights(w13: torch.Tensor, w2: torch.Tensor, *, experts: int, hidden: int,
+                         intermediate: int, dtype: torch.dtype | Sequence[torch.dtype],
+                         device: torch.device | None = None, contiguous: bool = False,
+                         prefix: str = "") -> None:
+    """w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+    check_tensor(f"{prefix}w13", w13, shape=(experts, 2 * intermediate, hidden), dtype=dtype,
+                 device=device, contiguous=contiguous)
+    check_tensor(f"{prefix}w2", w2, shape=(experts, hidden, intermediate), dtype=dtype,
+                 device=w13.device, contiguous=contiguous)

@@ -1,0 +1,155 @@
+"""MoEConfig: the sizes of one expert-parallel MoE layer, validated once.
+
+Everything downstream (the buffer layout, the scheduler, the kernels) derives its sizes from
+this object, so a bad size is reported here, with what is allowed, and nowhere else.
+Pure Python: no torch import (the reference and layout modules depend on this file).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+__all__ = ["MoEConfig", "SHAPES", "DTYPES", "cdiv", "align_up"]
+
+# Routed-expert shapes of the models we benchmark (../shared/BENCHMARKS.md).
+SHAPES: dict[str, dict[str, int]] = {
+    "dsv3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
+    "v4flash": dict(hidden=4096, intermediate=2048, num_experts=256, top_k=6),
+    "qwen3": dict(hidden=2048, intermediate=768, num_experts=128, top_k=8),
+    "mixtral": dict(hidden=4096, intermediate=14336, num_experts=8, top_k=2),
+}
+
+# Activation / weight formats. Only bf16 is implemented so far; the names are reserved so
+# that configs written today keep their meaning (fp8: DeepSeek-V3 block scales; fp4w: MXFP4).
+DTYPES = ("bf16",)
+_POW2_TILES = (16, 32, 64, 128, 256)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sizes of one routed-expert MoE layer and the kernels' block sizes.
+
+    Args:
+        hidden: model width H (multiple of 128).
+        intermediate: expert FFN width I (multiple of 128); w13 is [E, 2I, H], w2 is [E, H, I].
+        num_experts: routed experts E over all ranks (divisible by the rank count).
+        top_k: experts per token K (1 <= K <= E).
+        max_tokens_per_rank: the most tokens T any rank passes in one call; buffers are sized
+            for it (the pool holds the worst case: every token of every rank sending all K picks
+            to one rank), so no routing can overflow them.
+        dtype: "bf16".
+        block_m: pool rows per GEMM block. Each expert's pool segment is padded to a multiple
+            of it, and an L1 block starts once that many of its tokens (or the expert's ragged
+            remainder) have arrived.
+        block_n: GEMM output columns per block (L1: columns of I, gate and up both; L2: of H).
+        block_k: GEMM reduction step.
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    max_tokens_per_rank: int
+    dtype: str = "bf16"
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens_per_rank",
+                     "block_m", "block_n", "block_k"):
+            _positive_int(name, getattr(self, name))
+        for name in ("hidden", "intermediate"):
+            if getattr(self, name) % 128:
+                raise ValueError(f"MoEConfig.{name} must be a multiple of 128 (the FP8 scale "
+                                 f"block and the kernels' tiles), got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k must be <= num_experts ({self.num_experts}), "
+                             f"got {self.top_k}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"MoEConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_m not in _POW2_TILES:
+            raise ValueError(f"MoEConfig.block_m must be one of {_POW2_TILES}, got {self.block_m}")
+        for name in ("block_n", "block_k"):
+            if getattr(self, name) not in _POW2_TILES[:-1]:
+                raise ValueError(f"MoEConfig.{name} must be one of {_POW2_TILES[:-1]}, "
+                                 f"got {getattr(self, name)}")
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_shape(cls, shape: str, *, max_tokens_per_rank: int, **overrides: Any) -> "MoEConfig":
+        """A config for one of the benchmark shapes in ``SHAPES`` (dsv3, v4flash, qwen3, mixtral)."""
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known shapes: {sorted(SHAPES)}")
+        return cls(**{**SHAPES[shape], **overrides}, max_tokens_per_rank=max_tokens_per_rank)
+
+    def with_(self, **changes: Any) -> "MoEConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- derived sizes --------------------------------------------------------------------
+    def check_ranks(self, num_ranks: int) -> None:
+        """Raise ValueError unless the experts split evenly over ``num_ranks`` ranks."""
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        if self.num_experts % num_ranks:
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by the number "
+                             f"of ranks ({num_ranks})")
+        # The source rank, token and k of a pool row are packed into one int32 (pool_src).
+        if num_ranks * self.max_tokens_per_rank * self.top_k >= 2**31:
+            raise ValueError(f"num_ranks * max_tokens_per_rank * top_k must stay below 2**31, got "
+                             f"{num_ranks} * {self.max_tokens_per_rank} * {self.top_k}")
+
+    def experts_per_rank(self, num_ranks: int) -> int:
+        self.check_ranks(num_ranks)
+        return self.num_experts // num_ranks
+
+    def max_pool_pairs(self, num_ranks: int) -> int:
+        """Most (token, k) pairs one rank can receive: every pick of every rank's tokens.
+
+        Duplicate expert ids within a token are legal input (each pick contributes), so the
+        bound is T*K per source rank, not T*min(K, E_local).
+        """
+        self.check_ranks(num_ranks)
+        return num_ranks * self.max_tokens_per_rank * self.top_k
+
+    def pool_capacity(self, num_ranks: int) -> int:
+        """Pool rows per rank: the worst case pairs plus each expert's padding to block_m."""
+        e_loc = self.experts_per_rank(num_ranks)
+        return align_up(self.max_pool_pairs(num_ranks) + e_loc * (self.block_m - 1), self.block_m)
+
+    def max_m_blocks(self, num_ranks: int) -> int:
+        return self.pool_capacity(num_ranks) // self.block_m
+
+    @property
+    def l1_n_blocks(self) -> int:
+        """Column blocks of the L1 output (I columns; each block computes gate and up)."""
+        return self.intermediate // self.block_n
+
+    @property
+    def l2_n_blocks(self) -> int:
+        """Column blocks of the L2 output (H columns)."""
+        return self.hidden // self.block_n
+
+    @property
+    def bytes_per_element(self) -> int:
+        return 2  # bf16
+
+    def flops_per_token(self) -> int:
+        """GEMM FLOPs of one token: K experts x (L1: 2*H*2I + L2: 2*I*H)."""
+        return 6 * self.top_k * self.hidden * self.intermediate

@@ -1,0 +1,95 @@
+"""Inputs for tests, the CLI and the benchmarks: random routings (uniform, skewed, with -1
+picks), expert weights of realistic scale, and rank/token-stamped payloads.
+
+Everything draws from a caller-supplied ``torch.Generator`` so a failing case can be replayed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import MoEConfig
+from .reference import route
+
+__all__ = ["make_routing", "make_tokens", "make_weights", "stamp_tokens", "read_stamp",
+           "rel_error", "TOLERANCE"]
+
+# Written tolerances of ||out - ref|| / ||ref|| against the fp32 reference, per activation dtype.
+# bf16: inputs, weights and the L1 activation are rounded to bf16 (8 mantissa bits, ~4e-3 per
+# rounding); sums accumulate in fp32; the bound leaves 2-3x headroom over what we observe.
+TOLERANCE = {"bf16": 1e-2}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (NaN anywhere in ``out`` gives NaN: never passes)."""
+    out64, ref64 = out.double(), ref.double()
+    den = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / den if den > 0 else num
+
+
+def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
+                 generator: torch.Generator | None = None, device: str | torch.device = "cpu",
+                 skew: float | None = None, drop: float = 0.0, scoring: str = "softmax",
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A realistic routing: top-k without replacement of random router logits.
+
+    Args:
+        skew: if set, one hot expert (expert 0) takes this share of all picks, as far as
+            picking without replacement allows (at most one pick per token: a share of up to
+            1/K); the rest stay softmax-random.
+        drop: share of picks replaced by -1 (no expert).
+    Returns:
+        topk_idx [T, K] int32, topk_weights [T, K] fp32 (on ``device``).
+    """
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    if skew is not None:
+        if not 0.0 < skew <= 1.0:
+            raise ValueError(f"skew must be in (0, 1], got {skew}")
+        hot_tokens = torch.rand(num_tokens, generator=generator) < min(1.0, skew * top_k)
+        logits[hot_tokens, 0] = 1e4
+    idx, w = route(logits, top_k, scoring=scoring)
+    if drop > 0:
+        gone = torch.rand(idx.shape, generator=generator) < drop
+        idx = idx.masked_fill(gone, -1)
+        w = w.masked_fill(gone, 0.0)
+    return idx.to(torch.int32).to(device), w.to(device)
+
+
+def make_tokens(num_tokens: int, hidden: int, *, generator: torch.Generator | None = None,
+                device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+                ) -> torch.Tensor:
+    return torch.randn(num_tokens, hidden, generator=generator).to(dtype).to(device)
+
+
+def make_weights(config: MoEConfig, num_ranks: int, *, generator: torch.Generator | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-rank expert weights w13s[r] [E/R, 2I, H], w2s[r] [E/R, H, I], scaled so that every
+    projection keeps unit-variance activations (1/sqrt(fan_in))."""
+    e_loc = config.experts_per_rank(num_ranks)
+    H, I = config.hidden, config.intermediate
+    w13s, w2s = [], []
+    for _ in range(num_ranks):
+        w13s.append((torch.randn(e_loc, 2 * I, H, generator=generator) * H ** -0.5)
+                    .to(dtype).to(device))
+        w2s.append((torch.randn(e_loc, H, I, generator=generator) * I ** -0.5)
+                   .to(dtype).to(device))
+    return w13s, w2s
+
+
+def stamp_tokens(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Write (rank, token) into columns 0..2 of every row, exactly representable in bf16:
+    column 0 = rank, column 1 = token % 256, column 2 = token // 256. Returns x."""
+    T = x.shape[0]
+    t = torch.arange(T, device=x.device)
+    x[:, 0] = float(rank)
+    x[:, 1] = (t % 256).to(x.dtype)
+    x[:, 2] = (t // 256).to(x.dtype)
+    return x
+
+
+def read_stamp(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, token) stamped into rows by ``stamp_tokens``."""
+    r = rows[:, 0].float().round().long()
+    t = rows[:, 1].float().round().long() + 256 * rows[:, 2].float().round().long()
+    return r, t
