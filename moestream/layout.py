@@ -31,7 +31,9 @@ ALIGN = 256  # bytes; >= 128 keeps every region TMA- and vector-load aligned
 DTYPE_BYTES = {"int32": 4, "float32": 4, "bfloat16": 2, "uint8": 1}
 
 # diag[i]: what a kernel that gave up waiting leaves behind (first stall wins).
-DIAG_FIELDS = ("stalled", "phase", "rank", "index", "observed", "expected", "epoch", "peer")
+# bad_topk counts topk ids outside [-1, E) seen by the publish step (they are ignored).
+DIAG_FIELDS = ("stalled", "phase", "rank", "index", "observed", "expected", "epoch", "peer",
+               "bad_topk")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,222 @@
+"""SymmBuffer: every rank's buffer for one MoE layer, and the table of peer addresses.
+
+Two forms with one kernel-facing interface (``table``, ``rank0``, ``local_ranks``, region
+offsets):
+
+- virtual ranks: ``SymmBuffer(config, num_ranks=R, device=...)`` allocates R buffers in this
+  process; one launch serves all of them. This is how the multi-rank logic runs on one GPU and
+  on the CPU under Triton's interpreter.
+- real ranks: ``SymmBuffer(config, group=pg)`` allocates one torch symmetric-memory buffer per
+  rank (collective) and maps every peer's copy over NVLink.
+
+All regions are carved from ``moestream.layout``; every byte starts at zero. The buffer also
+collects the kernels' diagnostics (a stalled wait, topk ids out of range) and turns them into
+exceptions: ``check()`` synchronises; ``poll()`` looks only at results that already arrived.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .config import MoEConfig
+from .layout import DIAG_FIELDS, make_layout
+
+__all__ = ["SymmBuffer", "KernelStallError"]
+
+_TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "uint8": torch.uint8}
+
+
+class KernelStallError(RuntimeError):
+    """A kernel gave up waiting for a counter; the message names it."""
+
+
+def _default_spins(device: torch.device) -> int:
+    # GPU: ~0.5-2 us per poll, so 2**23 polls is several seconds: far beyond any healthy wait.
+    # Interpreter: polls are slow and execution is sequential, so a wait that is not satisfied
+    # at once never will be; fail fast.
+    return 1 << 23 if device.type == "cuda" else 64
+
+
+class SymmBuffer:
+    """Buffers of one MoE layer for R ranks (virtual) or for this rank of a group (real).
+
+    Args:
+        config: the layer's sizes; buffers hold ``config.max_tokens_per_rank`` tokens per rank.
+        num_ranks: virtual form: R buffers in this process (exclusive with ``group``).
+        device: virtual form: where to allocate (default: cuda if available, else cpu).
+        group: real form: a torch.distributed process group, one rank per GPU. Collective:
+            every rank of the group must construct the buffer (and ``destroy`` it) together.
+        timeout_spins: polls before a waiting kernel gives up and reports a stall.
+    """
+
+    def __init__(self, config: MoEConfig, *, num_ranks: int | None = None,
+                 device: str | torch.device | None = None, group=None,
+                 timeout_spins: int | None = None) -> None:
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if (num_ranks is None) == (group is None):
+            raise ValueError("pass exactly one of num_ranks= (virtual ranks in this process) "
+                             "or group= (one rank per process)")
+        self.config = config
+        self._hdl = None
+        self._weight_tables: dict[tuple[int, ...], torch.Tensor] = {}
+        if group is None:
+            config.check_ranks(num_ranks)
+            self.device = torch.device(device if device is not None else
+                                       ("cuda" if torch.cuda.is_available() else "cpu"))
+            self.num_ranks = num_ranks
+            self.rank = None
+            self.rank0 = 0
+            self.layout = make_layout(config, num_ranks)
+            self._storage = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8,
+                                         device=self.device) for _ in range(num_ranks)]
+            ptrs = [s.data_ptr() for s in self._storage]
+        else:
+            ptrs = self._init_group(config, group, device)
+        self.table = torch.tensor(ptrs, dtype=torch.uint64, device=self.device)
+        self.max_spins = int(timeout_spins) if timeout_spins else _default_spins(self.device)
+        if self.max_spins <= 0:
+            raise ValueError(f"timeout_spins must be positive, got {timeout_spins}")
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+
+    def _init_group(self, config: MoEConfig, group, device) -> list[int]:
+        import torch.distributed as dist
+        self.group = group
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        config.check_ranks(self.num_ranks)
+        self.rank0 = self.rank
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        self.layout = make_layout(config, self.num_ranks)
+        nbytes = self.layout.total_bytes
+        if self.num_ranks == 1:
+            self._storage = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device)]
+            return [self._storage[0].data_ptr()]
+        if self.device.type != "cuda":
+            raise ValueError("real ranks (group=...) with more than one rank need CUDA devices "
+                             "and symmetric memory; use num_ranks= for virtual ranks on the CPU")
+        import torch.distributed._symmetric_memory as symm_mem
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        hdl = symm_mem.rendezvous(buf, group)
+        buf.zero_()
+        # buffer_ptrs may name the start of the allocation segment rather than this tensor:
+        # add the tensor's offset into it (the same on every rank, checked below).
+        offset = buf.data_ptr() - int(hdl.buffer_ptrs[self.rank])
+        offsets = [None] * self.num_ranks
+        dist.all_gather_object(offsets, offset, group=group)
+        if len(set(offsets)) != 1:
+            raise RuntimeError(f"symmetric buffer offsets differ across ranks: {offsets}")
+        ptrs = [int(p) + offset for p in hdl.buffer_ptrs]
+        assert ptrs[self.rank] == buf.data_ptr()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)   # every rank's zeros land before any peer polls them
+        self._hdl = hdl
+        self._storage = [buf]
+        return ptrs
+
+    # ---- what kernels and tests see --------------------------------------------------
+    @property
+    def is_virtual(self) -> bool:
+        return self.rank is None
+
+    @property
+    def local_ranks(self) -> int:
+        """How many ranks this process drives (R virtual, 1 real)."""
+        return len(self._storage)
+
+    def global_rank(self, local: int) -> int:
+        return self.rank0 + local
+
+    def offsets(self) -> dict[str, int]:
+        """Kernel keyword arguments ``off_<region>`` for every region."""
+        return {f"off_{n}": off for n, off in self.layout.offsets().items()} | {
+            "off_reset": self.layout.reset_span[0]}
+
+    def view(self, name: str, local: int = 0) -> torch.Tensor:
+        """Region ``name`` of local rank ``local``'s buffer as a typed tensor (no copy)."""
+        r = self.layout[name]
+        raw = self._storage[local][r.offset:r.end]
+        return raw.view(_TORCH_DTYPES[r.dtype]).view(r.shape)
+
+    def weight_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """uint64 table of the local ranks' weight tensors, cached by address."""
+        key = tuple(t.data_ptr() for t in tensors)
+        tab = self._weight_tables.get(key)
+        if tab is None:
+            if len(self._weight_tables) > 64:
+                self._weight_tables.clear()
+            tab = torch.tensor(list(key), dtype=torch.uint64, device=self.device)
+            self._weight_tables[key] = tab
+        return tab
+
+    # ---- diagnostics -------------------------------------------------------------------
+    def diagnostics(self) -> list[dict[str, int]]:
+        """The diag words of each local rank (reads device memory: synchronises)."""
+        return [dict(zip(DIAG_FIELDS, self.view("diag", lr).tolist()))
+                for lr in range(self.local_ranks)]
+
+    def _raise_for(self, words: list[list[int]]) -> None:
+        from .kernels._common import PHASE_CODES
+        for lr, w in enumerate(words):
+            d = dict(zip(DIAG_FIELDS, w))
+            rank = self.global_rank(lr)
+            if d["stalled"]:
+                what = PHASE_CODES.get(d["phase"], f"phase {d['phase']}")
+                peer = f", peer rank {d['peer']}" if d["peer"] >= 0 else ""
+                raise KernelStallError(
+                    f"rank {rank}: a kernel gave up waiting ({what}): index {d['index']}, counter "
+                    f"at {d['observed']} but expected {d['expected']} (call epoch {d['epoch']}"
+                    f"{peer}). The results of that call are invalid and the buffer must be "
+                    f"re-created; a peer that never launched its kernels or a routing that "
+                    f"differs from what was published causes this.")
+            if d["bad_topk"]:
+                self.view("diag", lr)[DIAG_FIELDS.index("bad_topk")] = 0
+                raise ValueError(f"rank {rank}: {d['bad_topk']} topk_idx values were outside "
+                                 f"[-1, {self.config.num_experts}) and were ignored; expert ids "
+                                 f"must be -1 (no expert) or a valid global expert id")
+
+    def check(self) -> None:
+        """Raise for anything the kernels reported so far (synchronises with the device)."""
+        self._pending.clear()
+        self._raise_for([self.view("diag", lr).tolist() for lr in range(self.local_ranks)])
+
+    def after_call(self) -> None:
+        """Start an asynchronous copy of the diag words; ``poll`` inspects it later."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        host = torch.empty(self.local_ranks, len(DIAG_FIELDS), dtype=torch.int32,
+                           pin_memory=True)
+        for lr in range(self.local_ranks):
+            host[lr].copy_(self.view("diag", lr), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._pending = [(ev, host)]
+
+    def poll(self) -> None:
+        """Raise for a stall or bad input of an earlier call whose diag copy has arrived,
+        without waiting for the device."""
+        if not self._pending:
+            return
+        ev, host = self._pending[0]
+        if ev.query():
+            self._pending.clear()
+            self._raise_for(host.tolist())
+
+    def destroy(self) -> None:
+        """Release the memory (collective in the real form)."""
+        if self._hdl is not None:
+            import torch.distributed as dist
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        self._storage = []
+        self._hdl = None
+        self._weight_tables.clear()
+
+    def __repr__(self) -> str:
+        form = "virtual" if self.is_virtual else f"rank {self.rank}"
+        return (f"SymmBuffer({form}, ranks={self.num_ranks}, "
+                f"{self.layout.total_bytes / 2**20:.1f} MiB per rank, device={self.device})")

@@ -1,0 +1,134 @@
+"""What every kernel file shares: the interpreter switch, peer pointers and bounded waits.
+
+On a machine without CUDA the kernels run in Triton's interpreter. Triton picks interpreter or
+compiler when it is imported (TRITON_INTERPRET is read as its language module is decorated),
+so this module sets TRITON_INTERPRET=1 before importing triton when there is no CUDA device;
+on such a machine no other use of Triton is possible anyway.
+
+Peers are reached through a table of base addresses (uint64[R], one per rank's buffer); a
+region of peer r lives at ``table[r] + region offset``. The same code serves virtual ranks (R
+buffers in one process) and real peers (symmetric memory mapped over NVLink).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    if "triton" in sys.modules:
+        import triton.language as _tl
+        from triton.runtime.jit import JITFunction as _JITFunction
+        if isinstance(_tl.cumsum, _JITFunction):
+            raise ImportError("moestream needs Triton's interpreter on a machine without CUDA, "
+                              "but triton was imported before moestream without "
+                              "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 in the environment "
+                              "(or import moestream first)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    INTERPRET = True
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["INTERPRET", "triton", "tl", "to_bf16", "peer_ptr", "peer_ptrs", "wait_at_least",
+           "wait_all_at_least", "record_stall", "stalled", "PHASE_CODES", "next_pow2"]
+
+# diag "phase" codes written by a kernel that gave up waiting
+PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
+               3: "L2: L1 column blocks of an m-block", 4: "combine: L2 rows of a token's picks"}
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@triton.jit
+def to_bf16(x, FIX_ROUNDING: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. The interpreter's cast truncates (twice the error
+    of the GPU's rounding); with FIX_ROUNDING the value is pre-rounded in integer arithmetic so
+    the truncation lands on the correctly rounded bf16 (exact for finite values)."""
+    if FIX_ROUNDING:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
+    """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar)."""
+    base = tl.load(table + rank).to(tl.int64)
+    return (base + byte_offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def peer_ptrs(table, ranks, byte_offsets, mask, DTYPE: tl.constexpr):
+    """Pointer tensor: ``byte_offsets[i]`` inside rank ``ranks[i]``'s buffer."""
+    base = tl.load(table + ranks, mask=mask, other=0).to(tl.int64)
+    return (base + byte_offsets).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def stalled(diag):
+    """Whether any program of this rank already gave up (so the others stop waiting too)."""
+    return tl.load(diag, volatile=True) != 0
+
+
+@triton.jit
+def record_stall(diag, phase, rank, index, observed, expected, epoch, peer):
+    """Keep the first stall's details (diag layout: moestream.layout.DIAG_FIELDS)."""
+    if tl.atomic_cas(diag, 0, 1, sem="relaxed", scope="gpu") == 0:
+        tl.store(diag + 1, phase)
+        tl.store(diag + 2, rank)
+        tl.store(diag + 3, index)
+        tl.store(diag + 4, observed)
+        tl.store(diag + 5, expected)
+        tl.store(diag + 6, epoch)
+        tl.store(diag + 7, peer)
+
+
+@triton.jit
+def wait_at_least(ptr, target, diag, max_spins, phase, rank, index, epoch, peer,
+                  SCOPE: tl.constexpr):
+    """Spin (acquire) until ``*ptr - target >= 0`` as int32 (wrap-safe for epochs).
+
+    Bounded: after ``max_spins`` polls, or as soon as another program of this rank has given
+    up, records the stall in ``diag`` and returns False. The caller skips its work and stops.
+    """
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while ((v - target) < 0) & (spins < max_spins):
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+        if stalled(diag):
+            spins = max_spins
+    ok = (v - target) >= 0
+    if not ok:
+        record_stall(diag, phase, rank, index, v, target, epoch, peer)
+    tl.debug_barrier()  # the data reads that follow, by any thread, come after the acquire
+    return ok
+
+
+@triton.jit
+def wait_all_at_least(ptrs, target, mask, diag, max_spins, phase, rank, index_base, epoch,
+                      SCOPE: tl.constexpr):
+    """Vector form of ``wait_at_least``: every ``ptrs[i]`` (where mask) reaches ``target``."""
+    v = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
+    short = mask & ((v - target) < 0)
+    spins = 0
+    while (tl.sum(short.to(tl.int32), axis=0) > 0) & (spins < max_spins):
+        v = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
+        short = mask & ((v - target) < 0)
+        spins += 1
+        if stalled(diag):
+            spins = max_spins
+    n_short = tl.sum(short.to(tl.int32), axis=0)
+    ok = n_short == 0
+    if not ok:
+        first = tl.min(tl.where(short, tl.arange(0, ptrs.shape[0]), ptrs.shape[0]), axis=0)
+        observed = tl.sum(tl.where(tl.arange(0, ptrs.shape[0]) == first, v, 0), axis=0)
+        record_stall(diag, phase, rank, index_base + first, observed, target, epoch, -1)
+    tl.debug_barrier()
+    return ok

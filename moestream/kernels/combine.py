@@ -1,0 +1,55 @@
+"""Combine: each token of this rank sums its K expert outputs (already weighted in L1).
+
+Legend:
+    combine_y [T_MAX, K, H] bf16   row (t, k) written by the owner of expert topk_idx[t, k]
+    combine_flag [T_MAX, K] int32  L2 column blocks written for (t, k); complete at NB2
+    y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
+
+One ticket per token; the hidden dimension is walked in BH-wide chunks so a program never
+holds more than K x BH values. Picks with id -1 (or outside [0, E)) are skipped.
+"""
+from __future__ import annotations
+
+from ._common import peer_ptr, tl, to_bf16, triton, wait_all_at_least
+
+
+@triton.jit
+def combine_kernel(
+    table, rank0, max_spins,
+    y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
+    y_rank_stride, y_stride,
+    off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
+    T_MAX, H, E, NB2,
+    K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    lr = tl.program_id(1)
+    rank = rank0 + lr
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    par64 = (epoch & 1).to(tl.int64)
+    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
+    topk_idx = peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K
+    flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
+    slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
+    y = y_ptr + lr.to(tl.int64) * y_rank_stride
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    t = pid
+    ok = pid >= 0
+    while (t < T) & ok:
+        tk = t.to(tl.int64) * K + k
+        idx = tl.load(topk_idx + tk, mask=km, other=-1)
+        valid = km & (idx >= 0) & (idx < E)
+        ok = wait_all_at_least(flags + tk, NB2, valid, diag, max_spins, 4, rank, t * K, epoch,
+                               SCOPE="sys")
+        if ok:
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < H
+                v = tl.load(slots + tk[:, None] * H + h[None, :], mask=valid[:, None] & hm[None, :],
+                            other=0.0)
+                out = tl.sum(v.to(tl.float32), axis=0)
+                tl.store(y + t.to(tl.int64) * y_stride + h, to_bf16(out, FIX_ROUNDING), mask=hm)
+        t += nprog

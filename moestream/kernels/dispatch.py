@@ -1,0 +1,207 @@
+"""Publish, signal, layout and token-granular pull dispatch.
+
+Legend (shapes; every pointer below is int32 unless marked):
+    T      tokens of this call on a rank (T_MAX: the buffer's capacity), H hidden, K top-k
+    E      experts over all ranks, E_LOC experts per rank, R ranks, P pool rows, BM block_m
+    par    parity of the call (epoch & 1): which copy of the double-buffered inputs is in use
+
+Call order on every rank (each step one launch; the next issue fuses them):
+    publish  copy x/topk/slot/counts into the buffer's next parity copy, zero the counters
+    signal   epoch += 1, ready = epoch (release, system scope: peers may now read the inputs)
+    layout   wait for every peer's ready, read their counts for my experts -> pool layout
+    dispatch one task per (source rank, source token): pull the token's row once, store it in
+             the pool row of each of its picks of my experts, release-add the block's arrival
+"""
+from __future__ import annotations
+
+from ._common import peer_ptr, peer_ptrs, tl, triton, wait_at_least
+
+
+@triton.jit
+def publish_kernel(
+    table,            # uint64[R]: base address of each rank's buffer
+    rank,             # the rank whose inputs these are
+    x_TH,             # bf16 [T, H], row stride x_stride
+    topk_idx_TK,      # int32/int64 [T, K]
+    topk_w_TK,        # fp32 [T, K]
+    slot_TK,          # int32 [T, K] (routing.source_slots)
+    counts_E,         # int32 [E]   (routing.source_slots)
+    T, x_stride, T_MAX, H,
+    off_epoch, off_diag, off_num_tokens, off_send_counts, off_x, off_topk_idx,
+    off_topk_weights, off_slot, off_reset, reset_words,
+    E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    par = (epoch + 1) & 1   # the signal step makes epoch + 1 current
+
+    # Zero this program's share of the per-call counters (arrival, l1_done, combine_flag).
+    # Peers write combine_flag only after this call's ready flag, which follows this launch.
+    zero_ptr = peer_ptr(table, rank, off_reset, tl.int32)
+    per_prog = tl.cdiv(tl.cdiv(reset_words, nprog), BZ) * BZ
+    z = pid * per_prog
+    z_end = tl.minimum(z + per_prog, reset_words)
+    while z < z_end:
+        offs = z + tl.arange(0, BZ)
+        tl.store(zero_ptr + offs, tl.zeros([BZ], tl.int32), mask=offs < z_end)
+        z += BZ
+
+    # Tokens [pid*BT, pid*BT + BT): rows of x and their K picks.
+    t = pid * BT + tl.arange(0, BT)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
+    for h0 in range(0, H, BH):
+        h = h0 + tl.arange(0, BH)
+        hm = h < H
+        v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :], mask=tm[:, None] & hm[None, :])
+        tl.store(x_dst + t64[:, None] * H + h[None, :], v, mask=tm[:, None] & hm[None, :])
+    k = tl.arange(0, K_PAD)
+    tk_mask = tm[:, None] & (k[None, :] < K)
+    tk = t64[:, None] * K + k[None, :]
+    meta = par.to(tl.int64) * T_MAX * K + tk
+    idx = tl.load(topk_idx_TK + tk, mask=tk_mask, other=-1).to(tl.int32)
+    tl.store(peer_ptr(table, rank, off_topk_idx, tl.int32) + meta, idx, mask=tk_mask)
+    tl.store(peer_ptr(table, rank, off_topk_weights, tl.float32) + meta,
+             tl.load(topk_w_TK + tk, mask=tk_mask, other=0.0), mask=tk_mask)
+    tl.store(peer_ptr(table, rank, off_slot, tl.int32) + meta,
+             tl.load(slot_TK + tk, mask=tk_mask, other=-1), mask=tk_mask)
+    n_bad = tl.sum(tl.sum((tk_mask & ((idx < -1) | (idx >= E))).to(tl.int32), axis=1), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(peer_ptr(table, rank, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
+
+    if pid == 0:
+        e = tl.arange(0, E_PAD)
+        c = tl.load(counts_E + e, mask=e < E, other=0)
+        tl.store(peer_ptr(table, rank, off_send_counts, tl.int32) + par * E + e, c, mask=e < E)
+        tl.store(peer_ptr(table, rank, off_num_tokens, tl.int32) + par, T)
+
+
+@triton.jit
+def signal_kernel(table, rank0, off_epoch, off_ready):
+    """epoch += 1; ready = epoch with release at system scope (peers acquire it)."""
+    rank = rank0 + tl.program_id(0)
+    ep = peer_ptr(table, rank, off_epoch, tl.int32)
+    epoch = tl.load(ep) + 1
+    tl.store(ep, epoch)
+    tl.atomic_xchg(peer_ptr(table, rank, off_ready, tl.int32), epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def layout_device(table, rank, epoch, off_send_counts, off_num_tokens,
+                  R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """This rank's pool layout from every source's published counts (call after the peers'
+    ready flags were acquired). Returns (expert_count [E_PAD], block_start [E_PAD] (exclusive),
+    total m-blocks, src_row [E_PAD, R_PAD], src_tokens [R_PAD])."""
+    par = epoch & 1
+    s = tl.arange(0, R_PAD)
+    e = tl.arange(0, E_PAD)
+    sm = s < R
+    em = e < E_LOC
+    E = R * E_LOC
+    cnt_ptrs = peer_ptrs(table, s[:, None],
+                         off_send_counts + ((par * E + rank * E_LOC + e[None, :]) * 4).to(tl.int64),
+                         sm[:, None], tl.int32)
+    c_SE = tl.load(cnt_ptrs, mask=sm[:, None] & em[None, :], other=0)          # [R_PAD, E_PAD]
+    src_tokens = tl.load(peer_ptrs(table, s, off_num_tokens + par.to(tl.int64) * 4, sm, tl.int32),
+                         mask=sm, other=0)
+    expert_count = tl.sum(c_SE, axis=0)                                         # [E_PAD]
+    m_blocks = (expert_count + BM - 1) // BM
+    block_start = tl.cumsum(m_blocks, axis=0) - m_blocks
+    total_blocks = tl.sum(m_blocks, axis=0)
+    src_excl = tl.cumsum(c_SE, axis=0) - c_SE                                   # [R_PAD, E_PAD]
+    src_row = block_start[None, :] * BM + src_excl
+    return expert_count, block_start, total_blocks, tl.trans(src_row), src_tokens
+
+
+@triton.jit
+def layout_kernel(
+    table, rank0, max_spins,
+    off_epoch, off_ready, off_diag, off_send_counts, off_num_tokens,
+    off_expert_count, off_block_start, off_src_row, off_src_tokens,
+    R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """Wait for every peer's inputs of this call, then store this rank's pool layout."""
+    rank = rank0 + tl.program_id(0)
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    ok = rank >= 0  # a tensor, so the loop may reassign it
+    s = 0
+    while (s < R) & ok:
+        ok = wait_at_least(peer_ptr(table, s, off_ready, tl.int32), epoch, diag, max_spins,
+                           1, rank, s, epoch, s, SCOPE="sys")
+        s += 1
+    if ok:
+        expert_count, block_start, total, src_row_ES, src_tokens = layout_device(
+            table, rank, epoch, off_send_counts, off_num_tokens, R, E_LOC, BM, R_PAD, E_PAD)
+        e = tl.arange(0, E_PAD)
+        sv = tl.arange(0, R_PAD)
+        em = e < E_LOC
+        tl.store(peer_ptr(table, rank, off_expert_count, tl.int32) + e, expert_count, mask=em)
+        tl.store(peer_ptr(table, rank, off_block_start, tl.int32) + e, block_start, mask=em)
+        tl.store(peer_ptr(table, rank, off_block_start, tl.int32) + E_LOC, total)
+        tl.store(peer_ptr(table, rank, off_src_row, tl.int32) + e[:, None] * R + sv[None, :],
+                 src_row_ES, mask=em[:, None] & (sv[None, :] < R))
+        tl.store(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
+
+
+@triton.jit
+def dispatch_kernel(
+    table, rank0,
+    off_epoch, off_src_row, off_src_tokens, off_arrival,
+    off_x, off_topk_idx, off_topk_weights, off_slot,
+    off_pool_x, off_pool_src, off_pool_weight,
+    T_MAX, H, R, E_LOC, BM,
+    K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
+):
+    """Token-granular pull. Ticket i over (source rank, source token), sources in rank order.
+
+    Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rank = rank0 + tl.program_id(1)
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    par64 = (epoch & 1).to(tl.int64)
+    sv = tl.arange(0, R_PAD)
+    src_tokens = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, mask=sv < R,
+                         other=0)
+    incl = tl.cumsum(src_tokens, axis=0)
+    excl = incl - src_tokens
+    total = tl.sum(src_tokens, axis=0)
+    src_row = peer_ptr(table, rank, off_src_row, tl.int32)
+    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
+    arrival = peer_ptr(table, rank, off_arrival, tl.int32)
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    ticket = pid
+    while ticket < total:
+        s = tl.sum((incl <= ticket).to(tl.int32), axis=0)           # source rank of the ticket
+        t = ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)     # token on that source
+        meta = par64 * T_MAX * K + t.to(tl.int64) * K + k
+        idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=km, other=-1)
+        le = idx - rank * E_LOC
+        mine = km & (idx >= 0) & (le >= 0) & (le < E_LOC)
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
+            w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
+                        other=0.0)
+            row = tl.load(src_row + le * R + s, mask=mine, other=0) + slot
+            row64 = row.to(tl.int64)
+            x_src = (peer_ptr(table, s, off_x, tl.bfloat16)
+                     + (par64 * T_MAX + t.to(tl.int64)) * H)
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                v = tl.load(x_src + h, mask=h < H)
+                tl.store(pool_x + row64[:, None] * H + h[None, :],
+                         tl.broadcast_to(v[None, :], [K_PAD, BH]),
+                         mask=mine[:, None] & (h[None, :] < H))
+            tl.store(pool_src + row, (s * T_MAX + t) * K + k, mask=mine)
+            tl.store(pool_w + row, w, mask=mine)
+            tl.debug_barrier()  # every thread's row stores precede the release below
+            tl.atomic_add(arrival + row // BM, 1, mask=mine, sem="release", scope="gpu")
+        ticket += nprog

@@ -1,0 +1,160 @@
+"""Grouped GEMMs over the pool: L1 (gate/up + SwiGLU + gate weight) and L2 (down projection,
+rows written straight into the combine slot of the token's own rank).
+
+Legend:
+    pool_x [P, H] bf16    tokens, each local expert's segment padded to BM rows
+    w13 [E_LOC, 2I, H]    gate rows 0..I-1, up rows I..2I-1 (one tensor per local rank,
+                          reached through w13_table)
+    pool_act [P, I] bf16  silu(x @ gate^T) * (x @ up^T) * topk weight
+    w2 [E_LOC, H, I]
+    combine_y [T_MAX, K, H] bf16 on the token's rank, flag combine_flag [T_MAX, K]
+
+Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
+experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
+count reaches valid_m; an L2 block until all L1 column blocks of its m-block are done.
+Persistent: grid (programs, local ranks), tickets pid, pid + programs, ...
+"""
+from __future__ import annotations
+
+from ._common import peer_ptr, peer_ptrs, tl, to_bf16, triton, wait_at_least
+
+
+@triton.jit
+def expert_of_block(block_start, mb, E_LOC, E_PAD: tl.constexpr):
+    """Local expert owning m-block ``mb``: how many experts end at or before it."""
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(block_start + 1 + e, mask=e < E_LOC, other=2147483647)
+    return tl.sum((ends <= mb).to(tl.int32), axis=0)
+
+
+@triton.jit
+def l1_kernel(
+    table, rank0, w13_table,   # uint64[R] buffers, uint64[local ranks] w13 bases
+    max_spins,
+    off_epoch, off_diag, off_expert_count, off_block_start, off_arrival, off_l1_done,
+    off_pool_x, off_pool_weight, off_pool_act,
+    H, I, E_LOC,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    lr = tl.program_id(1)
+    rank = rank0 + lr
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    block_start = peer_ptr(table, rank, off_block_start, tl.int32)
+    expert_count = peer_ptr(table, rank, off_expert_count, tl.int32)
+    arrival = peer_ptr(table, rank, off_arrival, tl.int32)
+    l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
+    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
+    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+    NB = I // BN
+    total = tl.load(block_start + E_LOC) * NB
+    ticket = pid
+    ok = pid >= 0
+    while (ticket < total) & ok:
+        mb = ticket // NB
+        nb = ticket % NB
+        e = expert_of_block(block_start, mb, E_LOC, E_PAD)
+        vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
+        ok = wait_at_least(arrival + mb, vm, diag, max_spins, 2, rank, mb, epoch, -1,
+                           SCOPE="gpu")
+        if ok:
+            rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+            kk = tl.arange(0, BK)
+            n = nb * BN + tl.arange(0, BN)
+            # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so
+            # they only spoil their own (never stored) output rows.
+            a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
+            wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[None, :].to(tl.int64) * H + kk[:, None]
+            wu_ptrs = wg_ptrs + I * H
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for _k in range(0, H, BK):
+                a = tl.load(a_ptrs)
+                g = tl.load(wg_ptrs)
+                u = tl.load(wu_ptrs)
+                # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584)
+                # and truncates when casting back to bf16 (to_bf16 fixes that)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    g = g.to(tl.float32)
+                    u = u.to(tl.float32)
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
+                a_ptrs += BK
+                wg_ptrs += BK
+                wu_ptrs += BK
+            rv = tl.arange(0, BM) < vm
+            w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+            act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
+            tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
+                     mask=rv[:, None])
+            tl.debug_barrier()  # all rows stored before the count is released
+            tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+        ticket += nprog
+
+
+@triton.jit
+def l2_kernel(
+    table, rank0, w2_table,    # uint64[R] buffers, uint64[local ranks] w2 bases
+    max_spins,
+    off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done,
+    off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
+    H, I, E_LOC, T_MAX, NB1,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    E_PAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    lr = tl.program_id(1)
+    rank = rank0 + lr
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    block_start = peer_ptr(table, rank, off_block_start, tl.int32)
+    expert_count = peer_ptr(table, rank, off_expert_count, tl.int32)
+    l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
+    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    NB = H // BN
+    total = tl.load(block_start + E_LOC) * NB
+    ticket = pid
+    ok = pid >= 0
+    while (ticket < total) & ok:
+        mb = ticket // NB
+        nb = ticket % NB
+        e = expert_of_block(block_start, mb, E_LOC, E_PAD)
+        vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
+        ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, 3, rank, mb, epoch, -1,
+                           SCOPE="gpu")
+        if ok:
+            rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+            kk = tl.arange(0, BK)
+            cols = tl.arange(0, BN)
+            n = nb * BN + cols
+            a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
+            w_ptrs = w2 + e.to(tl.int64) * H * I + n[None, :].to(tl.int64) * I + kk[:, None]
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for _k in range(0, I, BK):
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, w, acc)
+                a_ptrs += BK
+                w_ptrs += BK
+            rv = tl.arange(0, BM) < vm
+            code = tl.load(pool_src + rows, mask=rv, other=0)
+            src = code // (T_MAX * K)
+            tk = (code % (T_MAX * K)).to(tl.int64)       # token * K + k on the source rank
+            dst = peer_ptrs(table, src, off_combine_y + (tk * H + nb * BN) * 2, rv, tl.bfloat16)
+            tl.store(dst[:, None] + cols[None, :], to_bf16(acc, UPCAST), mask=rv[:, None])
+            tl.debug_barrier()  # every row of the block lands before its flags are released
+            flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
+            tl.atomic_add(flags, 1, mask=rv, sem="release", scope="sys")
+        ticket += nprog

@@ -1,0 +1,180 @@
+"""The staged path: each stage of the layer is one kernel launch over a SymmBuffer.
+
+    publish (one launch per local rank) -> signal -> layout -> dispatch -> L1 -> L2 -> combine
+
+Each launch serves every local rank of the buffer (all R virtual ranks, or this process's one
+real rank). Stages communicate only through the buffer's counters, so the same kernels can later
+run inside one persistent launch. Tests drive the stages one by one to inspect the buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .buffer import SymmBuffer
+from .config import cdiv
+from .kernels import combine as _combine
+from .kernels import dispatch as _dispatch
+from .kernels import gemm as _gemm
+from .kernels._common import INTERPRET, next_pow2
+from .layout import DIAG_FIELDS
+from .routing import source_slots
+
+__all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine",
+           "run_staged"]
+
+assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes. ``programs``: persistent programs per local rank (0 = from the device)."""
+
+    programs: int = 0
+    gemm_warps: int = 4
+    gemm_stages: int = 3
+    copy_warps: int = 4
+    hidden_chunk: int = 1024
+
+
+def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int) -> int:
+    if tuning.programs:
+        return tuning.programs
+    if buffer.device.type != "cuda":
+        return 2  # the interpreter runs programs one after another: 2 still walks the tickets
+    sms = torch.cuda.get_device_properties(buffer.device).multi_processor_count
+    return sms * per_sm
+
+
+def _common(buffer: SymmBuffer) -> dict:
+    cfg = buffer.config
+    return dict(R=buffer.num_ranks, E_LOC=cfg.experts_per_rank(buffer.num_ranks))
+
+
+def _launch_kw(buffer: SymmBuffer, warps: int, stages: int | None = None) -> dict:
+    if INTERPRET:
+        return {}
+    kw = dict(num_warps=warps)
+    if stages is not None:
+        kw["num_stages"] = stages
+    return kw
+
+
+def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Tensor,
+            topk_weights: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
+    """Copy one local rank's inputs into the next parity of its buffer; zero its counters.
+    Inputs must already be validated (contiguous topk tensors, x rows with unit stride)."""
+    cfg = buffer.config
+    counts, slot = source_slots(topk_idx, cfg.num_experts)
+    off = buffer.offsets()
+    T = x.shape[0]
+    reset_words = buffer.layout.reset_span[1] // 4
+    BT = 8
+    grid = (max(cdiv(T, BT), cdiv(reset_words, 16384), 1),)
+    _dispatch.publish_kernel[grid](
+        buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights, slot, counts,
+        T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
+        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
+        off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
+        off["off_reset"], reset_words,
+        E=cfg.num_experts, K=cfg.top_k, K_PAD=next_pow2(cfg.top_k),
+        E_PAD=next_pow2(cfg.num_experts), BT=BT, BH=min(next_pow2(cfg.hidden), 512),
+        BZ=1024, **_launch_kw(buffer, tuning.copy_warps))
+
+
+def signal(buffer: SymmBuffer) -> None:
+    off = buffer.offsets()
+    _dispatch.signal_kernel[(buffer.local_ranks,)](buffer.table, buffer.rank0, off["off_epoch"],
+                                                   off["off_ready"])
+
+
+def layout(buffer: SymmBuffer) -> None:
+    off = buffer.offsets()
+    c = _common(buffer)
+    _dispatch.layout_kernel[(buffer.local_ranks,)](
+        buffer.table, buffer.rank0, buffer.max_spins,
+        off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
+        off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
+        off["off_src_row"], off["off_src_tokens"],
+        c["R"], c["E_LOC"], buffer.config.block_m,
+        R_PAD=next_pow2(c["R"]), E_PAD=next_pow2(c["E_LOC"]))
+
+
+def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
+    cfg = buffer.config
+    off = buffer.offsets()
+    c = _common(buffer)
+    grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
+    _dispatch.dispatch_kernel[grid](
+        buffer.table, buffer.rank0,
+        off["off_epoch"], off["off_src_row"], off["off_src_tokens"], off["off_arrival"],
+        off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
+        off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
+        cfg.max_tokens_per_rank, cfg.hidden, c["R"], c["E_LOC"], cfg.block_m,
+        K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), R_PAD=next_pow2(c["R"]),
+        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
+        **_launch_kw(buffer, tuning.copy_warps))
+
+
+def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
+    cfg = buffer.config
+    off = buffer.offsets()
+    c = _common(buffer)
+    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    _gemm.l1_kernel[grid](
+        buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
+        off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
+        off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
+        off["off_pool_act"],
+        cfg.hidden, cfg.intermediate, c["E_LOC"],
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, E_PAD=next_pow2(c["E_LOC"]),
+        UPCAST=INTERPRET, **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
+
+
+def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
+    cfg = buffer.config
+    off = buffer.offsets()
+    c = _common(buffer)
+    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    _gemm.l2_kernel[grid](
+        buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
+        off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
+        off["off_l1_done"], off["off_pool_act"], off["off_pool_src"], off["off_combine_y"],
+        off["off_combine_flag"],
+        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.max_tokens_per_rank, cfg.l1_n_blocks,
+        K=cfg.top_k, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        E_PAD=next_pow2(c["E_LOC"]), UPCAST=INTERPRET,
+        **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
+
+
+def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
+    """y: [local ranks, T, H] bf16 (or [T, H] for one local rank); row stride may exceed H."""
+    cfg = buffer.config
+    off = buffer.offsets()
+    y3 = y if y.dim() == 3 else y.unsqueeze(0)
+    assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
+    grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
+    _combine.combine_kernel[grid](
+        buffer.table, buffer.rank0, buffer.max_spins, y3, y3.stride(0), y3.stride(1),
+        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
+        off["off_combine_y"], off["off_combine_flag"],
+        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.l2_n_blocks,
+        K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
+        FIX_ROUNDING=INTERPRET, **_launch_kw(buffer, tuning.copy_warps))
+
+
+def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
+               topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
+               w2s: Sequence[torch.Tensor], y: torch.Tensor, *,
+               tuning: Tuning = Tuning()) -> None:
+    """All stages for every local rank; y [local ranks, T_out, H] receives the outputs."""
+    for lr in range(buffer.local_ranks):
+        publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
+    signal(buffer)
+    layout(buffer)
+    dispatch(buffer, tuning=tuning)
+    l1(buffer, w13s, tuning=tuning)
+    l2(buffer, w2s, tuning=tuning)
+    combine(buffer, y, tuning=tuning)
