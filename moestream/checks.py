@@ -60,6 +60,9 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     if x.shape[1] != hidden:
         raise ValueError(f"{prefix}x must have shape (T, {hidden}) (hidden size), got "
                          f"{tuple(x.shape)}")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"{prefix}x has {T} tokens, more than max_tokens_per_rank={max_tokens} "
+                         f"that the buffer was sized for")
     check_tensor(f"{prefix}topk_idx", topk_idx, ndim=2, dtype=INDEX_DTYPES, device=x.device)
     if topk_idx.shape[0] != T:
         raise ValueError(f"{prefix}topk_idx must have one row per token of x ({T}), got shape "
@@ -69,9 +72,6 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
                          f"{tuple(topk_idx.shape)}")
     check_tensor(f"{prefix}topk_weights", topk_weights, shape=tuple(topk_idx.shape),
                  dtype=torch.float32, device=x.device)
-    if max_tokens is not None and T > max_tokens:
-        raise ValueError(f"{prefix}x has {T} tokens, more than max_tokens_per_rank={max_tokens} "
-                         f"that the buffer was sized for")
     return T
 
 

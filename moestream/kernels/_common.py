@@ -47,11 +47,11 @@ def next_pow2(n: int) -> int:
 @triton.jit
 def to_bf16(x, FIX_ROUNDING: tl.constexpr):
     """fp32 -> bf16, round to nearest even. The interpreter's cast truncates (twice the error
-    of the GPU's rounding); with FIX_ROUNDING the value is pre-rounded in integer arithmetic so
-    the truncation lands on the correctly rounded bf16 (exact for finite values)."""
+    of the GPU's rounding); with FIX_ROUNDING the value is rounded in integer arithmetic to one
+    that bf16 represents exactly, so the cast has nothing left to truncate."""
     if FIX_ROUNDING:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
 

@@ -1,0 +1,45 @@
+"""Shared fixtures: a fresh seeded generator per test, the kernel device, GPU markers.
+
+Every test draws fresh random inputs: the session seed changes from run to run (set
+MOESTREAM_SEED to replay one; it is printed in the header) and each test mixes in its own name.
+"""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+SESSION_SEED = int(os.environ.get("MOESTREAM_SEED", random.SystemRandom().randrange(2**31)))
+HAS_CUDA = torch.cuda.is_available()
+NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+# Kernels run on the GPU where there is one, else in Triton's interpreter on the CPU (the
+# package switches the interpreter on at import when CUDA is absent).
+KERNEL_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="GPU machine: kernels run on cuda")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+]
+
+
+def pytest_report_header(config):
+    return (f"moestream: MOESTREAM_SEED={SESSION_SEED} cuda={HAS_CUDA} gpus={NUM_GPUS} "
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(set by moestream if no CUDA)')}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if item.get_closest_marker("multigpu") and NUM_GPUS < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2 or more GPUs"))
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the session seed and the test's id."""
+    seed = (SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**63
+    return torch.Generator().manual_seed(seed)

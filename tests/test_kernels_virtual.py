@@ -1,0 +1,278 @@
+"""The staged Triton kernels on R virtual ranks: on the CPU under Triton's interpreter, on a GPU
+(marked gpu) where there is one.
+
+Dispatch is checked exactly (payload rows stamped with their source rank and token), the layer
+against the fp32 reference with the written bf16 tolerance, and every output element is checked
+to have been written (outputs and buffer data regions are poisoned with NaN first).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import MoEConfig
+from moestream import stages
+from moestream.buffer import KernelStallError, SymmBuffer
+from moestream.layer import mega_moe_virtual
+from moestream.reference import moe_forward_ranks
+from moestream.routing import pool_layout, pool_sources, source_slots
+from moestream.schedule import build_schedule, valid_m
+from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights, read_stamp,
+                               rel_error, stamp_tokens)
+
+from conftest import KERNEL_DEVICES
+
+TOL = TOLERANCE["bf16"]
+
+
+def small_config(**kw) -> MoEConfig:
+    base = dict(hidden=256, intermediate=128, num_experts=8, top_k=2, max_tokens_per_rank=24,
+                block_m=16, block_n=64, block_k=64)
+    return MoEConfig(**{**base, **kw})
+
+
+def poison(buffer: SymmBuffer) -> None:
+    """NaN in every data region: a read of a row nothing wrote this call shows up as NaN."""
+    for lr in range(buffer.local_ranks):
+        for name in ("pool_x", "pool_act", "combine_y"):
+            buffer.view(name, lr).fill_(float("nan"))
+        buffer.view("pool_weight", lr).fill_(float("nan"))
+
+
+def make_case(cfg: MoEConfig, R: int, Ts, gen, device, *, skew=None, drop=0.0, stamp=False,
+              routing=None):
+    xs, idxs, ws = [], [], []
+    for r, T in enumerate(Ts):
+        x = make_tokens(T, cfg.hidden, generator=gen)
+        if stamp:
+            stamp_tokens(x, r)
+        idx, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=gen, skew=skew, drop=drop)
+        if routing is not None:
+            idx = routing(r, T).to(torch.int32)
+        xs.append(x.to(device))
+        idxs.append(idx.to(device))
+        ws.append(w.to(device))
+    return xs, idxs, ws
+
+
+def run_dispatch(buffer, xs, idxs, ws):
+    for lr in range(buffer.local_ranks):
+        stages.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
+    stages.signal(buffer)
+    stages.layout(buffer)
+    stages.dispatch(buffer)
+    buffer.check()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R, Ts, e_per_rank", [
+    (1, [13], 5),            # R=1: every pick is local; 5 experts (prime-ish count per rank)
+    (2, [17, 0], 4),         # a rank with zero tokens sends nothing and still receives
+    (3, [5, 24, 1], 3),      # 3 ranks, T=1 on one, T=max on another, 3 experts per rank
+    (4, [9, 3, 16, 7], 2),   # 4 ranks, T not a multiple of block_m
+])
+def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank):
+    cfg = small_config(num_experts=R * e_per_rank, top_k=min(3, R * e_per_rank))
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
+    run_dispatch(buf, xs, idxs, ws)
+
+    cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
+    lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
+    cap = cfg.pool_capacity(R)
+    want_src = pool_sources(lay, [i.cpu() for i in idxs], [s for _, s in cs], capacity=cap,
+                            max_tokens=cfg.max_tokens_per_rank)
+    e_loc = cfg.experts_per_rank(R)
+    for d in range(R):
+        # the device-computed layout equals the torch one
+        assert buf.view("expert_count", d).cpu().tolist() == lay.expert_count[d].tolist()
+        assert buf.view("block_start", d).cpu().tolist() == lay.block_start[d].tolist()
+        assert buf.view("src_row", d).cpu().tolist() == lay.src_row[d].tolist()
+        assert buf.view("src_tokens", d).cpu().tolist() == Ts
+        rows = (want_src[d] >= 0).nonzero().flatten()
+        got_src = buf.view("pool_src", d).cpu()
+        assert torch.equal(got_src[rows], want_src[d][rows].to(torch.int32))
+        # each filled row is bit-identical to its source token, and carries its stamp
+        pool = buf.view("pool_x", d).cpu()
+        s_, t_, k_ = (want_src[d][rows] // (cfg.max_tokens_per_rank * cfg.top_k),
+                      (want_src[d][rows] // cfg.top_k) % cfg.max_tokens_per_rank,
+                      want_src[d][rows] % cfg.top_k)
+        for row, s, t, k in zip(rows.tolist(), s_.tolist(), t_.tolist(), k_.tolist()):
+            assert torch.equal(pool[row], xs[s][t].cpu()), (d, row, s, t)
+            assert float(buf.view("pool_weight", d).cpu()[row]) == float(ws[s][t, k])
+        rank_of, tok_of = read_stamp(pool[rows])
+        assert torch.equal(rank_of, s_) and torch.equal(tok_of, t_)
+        # arrival counters reached valid_m, and nothing arrived past the layout
+        arrival = buf.view("arrival", d).cpu()
+        n_blocks = int(lay.block_start[d, -1])
+        for e in range(e_loc):
+            b0, b1 = int(lay.block_start[d, e]), int(lay.block_start[d, e + 1])
+            for mb in range(b0, b1):
+                assert int(arrival[mb]) == valid_m(int(lay.expert_count[d, e]), mb - b0, cfg.block_m)
+        assert int(arrival[n_blocks:].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", [
+    # name, R, Ts, config changes, routing options; each line says what it stresses
+    ("T=1 on every rank", 2, [1, 1], {}, {}),
+    ("T not a multiple of block_m, ragged last blocks", 3, [23, 17, 5], {"num_experts": 6}, {}),
+    ("R=1, five experts (prime-ish per rank)", 1, [19], {"num_experts": 5}, {}),
+    ("a rank with zero tokens", 2, [0, 21], {}, {}),
+    ("-1 picks, some tokens with none at all", 2, [20, 12], {"top_k": 3}, {"drop": 0.4}),
+    ("all tokens to one expert", 4, [8, 8, 3, 24], {}, {"routing": "one"}),
+    ("experts that receive no token", 2, [6, 4], {"num_experts": 16, "top_k": 1}, {}),
+    ("skewed routing, hot expert", 2, [24, 24], {"top_k": 4}, {"skew": 0.25}),
+    ("K=E, every expert gets every token", 2, [10, 7], {"num_experts": 4, "top_k": 4}, {}),
+    ("block_m=64 larger than any expert's tokens", 2, [5, 9], {"block_m": 64}, {}),
+    ("hidden 512, intermediate 256, block_n 128", 2, [11, 6],
+     {"hidden": 512, "intermediate": 256, "block_n": 128, "block_k": 32}, {}),
+], ids=lambda c: c[0])
+def test_layer_matches_reference(device, gen, case):
+    _, R, Ts, changes, opts = case
+    cfg = small_config(**changes)
+    routing = None
+    if opts.get("routing") == "one":
+        routing = lambda r, T: torch.full((T, cfg.top_k), -1).index_fill_(1, torch.tensor([0]), 5)
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, skew=opts.get("skew"),
+                             drop=opts.get("drop", 0.0), routing=routing)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out)
+    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
+                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
+                             [w.cpu() for w in w2s])
+    for r in range(R):
+        assert ys[r].shape == (Ts[r], cfg.hidden)
+        assert not torch.isnan(ys[r]).any(), f"rank {r}: output rows left unwritten"
+        if Ts[r]:
+            err = rel_error(ys[r].cpu(), refs[r])
+            assert err < TOL, f"rank {r}: rel error {err:.2e} >= {TOL}"
+        # tokens whose picks are all -1 get exact zeros
+        none = (idxs[r] < 0).all(dim=1)
+        assert bool((ys[r][none] == 0).all())
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_consecutive_calls_reuse_buffer(device, gen):
+    # epochs, double-buffered inputs and per-call counter resets across calls whose token
+    # counts and routings change (including a call where one rank has no tokens)
+    cfg = small_config()
+    R = 2
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    for call, Ts in enumerate([[24, 3], [1, 0], [7, 19], [16, 16]]):
+        xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+        ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+        refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
+                                 [w.cpu() for w in ws], [w.cpu() for w in w13s],
+                                 [w.cpu() for w in w2s])
+        for r in range(R):
+            if Ts[r]:
+                assert rel_error(ys[r].cpu(), refs[r]) < TOL, (call, r)
+        assert buf.view("epoch", 0).item() == call + 1
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_device_layout_follows_schedule(device, gen):
+    # the kernels' m-block numbering is the pure-Python scheduler's
+    cfg = small_config(num_experts=6)
+    R, Ts = 3, [11, 20, 2]
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+    run_dispatch(buf, xs, idxs, ws)
+    sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
+                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=8)
+    for d, plan in enumerate(sched.plans):
+        assert buf.view("block_start", d).cpu().tolist() == plan.block_start
+        pool_src = buf.view("pool_src", d).cpu()
+        for row, (s, t, k) in plan.pool_src.items():
+            assert int(pool_src[row]) == (s * cfg.max_tokens_per_rank + t) * cfg.top_k + k
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_peer_that_never_publishes_raises_instead_of_hanging(device, gen):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
+    xs, idxs, ws = make_case(cfg, 2, [4, 4], gen, device)
+    w13s, w2s = make_weights(cfg, 2, generator=gen, device=device)
+    mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+    # rank 0 publishes call 2 (epoch and ready flag move on); rank 1 never does, so rank 0's
+    # layout step waits for rank 1's ready flag
+    buf.view("epoch", 0).add_(1)
+    buf.view("ready", 0).add_(1)
+    stages.layout(buf)
+    with pytest.raises(KernelStallError, match=r"rank 0: .*peer ready flag.*peer rank 1"):
+        buf.check()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_gemm_without_dispatch_reports_the_stalled_block(device, gen):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
+    xs, idxs, ws = make_case(cfg, 2, [8, 8], gen, device)
+    w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
+    for lr in range(2):
+        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
+    stages.signal(buf)
+    stages.layout(buf)
+    stages.l1(buf, w13s)   # dispatch skipped: no pool block ever fills
+    with pytest.raises(KernelStallError, match="L1: pool block arrival count"):
+        buf.check()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_out_of_range_expert_ids(device, gen):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device=device)
+    xs, idxs, ws = make_case(cfg, 2, [4, 4], gen, device)
+    w13s, w2s = make_weights(cfg, 2, generator=gen, device=device)
+    idxs[1][2, 0] = cfg.num_experts
+    with pytest.raises(ValueError, match=r"rank 1: topk_idx values must lie in \[-1, 8\)"):
+        mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+    # without the host-side check the kernels ignore the pick and report it afterwards
+    with pytest.raises(ValueError, match="rank 1: 1 topk_idx values were outside"):
+        mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, validate=False)
+    buf.check()  # reported once, then cleared
+
+
+def test_bad_arguments_name_what_is_wrong(gen):
+    cfg = small_config()
+    R = 2
+    buf = SymmBuffer(cfg, num_ranks=R, device="cpu") if not torch.cuda.is_available() else \
+        SymmBuffer(cfg, num_ranks=R, device="cuda")
+    dev = buf.device
+    xs, idxs, ws = make_case(cfg, R, [4, 4], gen, dev)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=dev)
+
+    def call(**changes):
+        args = dict(xs=xs, topk_idxs=idxs, topk_weights=ws, w13s=w13s, w2s=w2s, buffer=buf)
+        args.update(changes)
+        return mega_moe_virtual(**args)
+
+    cases = [
+        (dict(xs=xs[:1]), "xs must be a list with one entry per rank"),
+        (dict(xs=[xs[0].float(), xs[1]]), "rank 0: x must have dtype bfloat16"),
+        (dict(xs=[xs[0], make_tokens(25, cfg.hidden).to(dev)]), "more than max_tokens_per_rank=24"),
+        (dict(topk_idxs=[idxs[0], idxs[1][:, :1]]), "rank 1: topk_idx must have top_k=2 columns"),
+        (dict(topk_weights=[ws[0].double(), ws[1]]), "rank 0: topk_weights must have dtype float32"),
+        (dict(w13s=[w13s[0][:, :, :128], w13s[1]]), "rank 0: w13 must have shape"),
+        (dict(w2s=[w2s[0], w2s[1].transpose(1, 2).contiguous().transpose(1, 2)]),
+         "rank 1: w2 must be contiguous"),
+        (dict(buffer=object()), "buffer must be a virtual SymmBuffer"),
+    ]
+    if dev.type == "cuda":
+        cases.append((dict(xs=[xs[0].cpu(), xs[1]]), "rank 0: x must be on"))
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**changes)
+    with pytest.raises(ValueError, match="exactly one of num_ranks"):
+        SymmBuffer(cfg)
+    with pytest.raises(ValueError, match="divisible"):
+        SymmBuffer(cfg, num_ranks=3, device=dev)
+    with pytest.raises(ValueError, match="out must be"):
+        call(out=torch.empty(R, 2, cfg.hidden, dtype=torch.bfloat16, device=dev))
