@@ -18,7 +18,7 @@ from .config import cdiv
 from .kernels import combine as _combine
 from .kernels import dispatch as _dispatch
 from .kernels import gemm as _gemm
-from .kernels._common import INTERPRET, next_pow2
+from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
 from .routing import source_slots
 
@@ -30,13 +30,49 @@ assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch shapes. ``programs``: persistent programs per local rank (0 = from the device)."""
+    """Launch shapes, free to change per call (the data layout depends only on block_m).
+
+    programs: persistent programs per local rank (0 = a multiple of the SM count).
+    l1_block_n/k, l2_block_n/k: GEMM tiles (None = the config's block_n/block_k).
+    use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere).
+    wait: GEMM blocks acquire their input counters. Stream order already guarantees them in
+        the staged path, but tests keep it on to exercise the waits.
+    """
 
     programs: int = 0
     gemm_warps: int = 4
     gemm_stages: int = 3
     copy_warps: int = 4
     hidden_chunk: int = 1024
+    l1_block_n: int | None = None
+    l1_block_k: int | None = None
+    l2_block_n: int | None = None
+    l2_block_k: int | None = None
+    use_tma: bool | None = None
+    wait: bool = True
+
+    def l1_tile(self, cfg) -> tuple[int, int]:
+        return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
+
+    def l2_tile(self, cfg) -> tuple[int, int]:
+        return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
+
+    def tma(self, device: torch.device) -> bool:
+        if self.use_tma is not None:
+            return self.use_tma
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    # scratch for tensor descriptors built on the device
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator(use_tma: bool) -> None:
+    if use_tma and not INTERPRET:
+        from triton.runtime import _allocation
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_tma_allocator)
 
 
 def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int) -> int:
@@ -123,14 +159,18 @@ def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tun
     off = buffer.offsets()
     c = _common(buffer)
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    bn, bk = tuning.l1_tile(cfg)
+    tma = tuning.tma(buffer.device)
+    _ensure_allocator(tma)
     _gemm.l1_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
         off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
         off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
         off["off_pool_act"],
-        cfg.hidden, cfg.intermediate, c["E_LOC"],
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, E_PAD=next_pow2(c["E_LOC"]),
-        UPCAST=INTERPRET, **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
+        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.pool_capacity(buffer.num_ranks),
+        BM=cfg.block_m, BN=bn, BK=bk, E_PAD=next_pow2(c["E_LOC"]),
+        UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
+        **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
@@ -138,14 +178,18 @@ def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuni
     off = buffer.offsets()
     c = _common(buffer)
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    bn, bk = tuning.l2_tile(cfg)
+    tma = tuning.tma(buffer.device)
+    _ensure_allocator(tma)
     _gemm.l2_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
         off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
         off["off_l1_done"], off["off_pool_act"], off["off_pool_src"], off["off_combine_y"],
         off["off_combine_flag"],
-        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.max_tokens_per_rank, cfg.l1_n_blocks,
-        K=cfg.top_k, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        E_PAD=next_pow2(c["E_LOC"]), UPCAST=INTERPRET,
+        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.max_tokens_per_rank,
+        cfg.intermediate // tuning.l1_tile(cfg)[0], cfg.pool_capacity(buffer.num_ranks),
+        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk,
+        E_PAD=next_pow2(c["E_LOC"]), UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
         **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
 
 
@@ -160,7 +204,7 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         buffer.table, buffer.rank0, buffer.max_spins, y3, y3.stride(0), y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
         off["off_combine_y"], off["off_combine_flag"],
-        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.l2_n_blocks,
+        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.hidden // tuning.l2_tile(cfg)[0],
         K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, **_launch_kw(buffer, tuning.copy_warps))
 

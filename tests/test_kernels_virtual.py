@@ -276,3 +276,24 @@ def test_bad_arguments_name_what_is_wrong(gen):
         SymmBuffer(cfg, num_ranks=3, device=dev)
     with pytest.raises(ValueError, match="out must be"):
         call(out=torch.empty(R, 2, cfg.hidden, dtype=torch.bfloat16, device=dev))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    stages.Tuning(use_tma=True),                                      # tensor-descriptor loads
+    stages.Tuning(use_tma=False),                                     # pointer loads
+    stages.Tuning(l1_block_n=32, l1_block_k=32, l2_block_n=128, l2_block_k=16),  # other tiles
+    stages.Tuning(wait=False, programs=3),                            # stream order only
+], ids=["tma", "pointers", "tiles", "nowait"])
+def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
+    cfg = small_config()
+    R, Ts = 2, [21, 10]
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
+    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs], [w.cpu() for w in ws],
+                             [w.cpu() for w in w13s], [w.cpu() for w in w2s])
+    for r in range(R):
+        assert rel_error(ys[r].cpu(), refs[r]) < TOL

@@ -33,9 +33,9 @@ def l1_kernel(
     max_spins,
     off_epoch, off_diag, off_expert_count, off_block_start, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
-    H, I, E_LOC,
+    H, I, E_LOC, P,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -51,6 +51,11 @@ def l1_kernel(
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+    if USE_TMA:  # bulk tensor copies (TMA) of the A rows and the weight tiles
+        a_desc = tl.make_tensor_descriptor(pool_x, shape=[P, H], strides=[H, 1],
+                                           block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2 * I, H], strides=[H, 1],
+                                           block_shape=[BN, BK])
     NB = I // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -60,8 +65,9 @@ def l1_kernel(
         nb = ticket % NB
         e = expert_of_block(block_start, mb, E_LOC, E_PAD)
         vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
-        ok = wait_at_least(arrival + mb, vm, diag, max_spins, 2, rank, mb, epoch, -1,
-                           SCOPE="gpu")
+        if WAIT:
+            ok = wait_at_least(arrival + mb, vm, diag, max_spins, 2, rank, mb, epoch, -1,
+                               SCOPE="gpu")
         if ok:
             rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
             kk = tl.arange(0, BK)
@@ -73,10 +79,15 @@ def l1_kernel(
             wu_ptrs = wg_ptrs + I * H
             acc_g = tl.zeros([BM, BN], dtype=tl.float32)
             acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-            for _k in range(0, H, BK):
-                a = tl.load(a_ptrs)
-                g = tl.load(wg_ptrs)
-                u = tl.load(wu_ptrs)
+            for k0 in range(0, H, BK):
+                if USE_TMA:
+                    a = a_desc.load([mb * BM, k0])
+                    g = w_desc.load([e * 2 * I + nb * BN, k0]).T
+                    u = w_desc.load([e * 2 * I + I + nb * BN, k0]).T
+                else:
+                    a = tl.load(a_ptrs)
+                    g = tl.load(wg_ptrs)
+                    u = tl.load(wu_ptrs)
                 # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584)
                 # and truncates when casting back to bf16 (to_bf16 fixes that)
                 if UPCAST:
@@ -104,9 +115,9 @@ def l2_kernel(
     max_spins,
     off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
-    H, I, E_LOC, T_MAX, NB1,
+    H, I, E_LOC, T_MAX, NB1, P,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    E_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    E_PAD: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -120,6 +131,11 @@ def l2_kernel(
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(pool_act, shape=[P, I], strides=[I, 1],
+                                           block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w2, shape=[E_LOC * H, I], strides=[I, 1],
+                                           block_shape=[BN, BK])
     NB = H // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -129,8 +145,9 @@ def l2_kernel(
         nb = ticket % NB
         e = expert_of_block(block_start, mb, E_LOC, E_PAD)
         vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
-        ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, 3, rank, mb, epoch, -1,
-                           SCOPE="gpu")
+        if WAIT:
+            ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, 3, rank, mb, epoch, -1,
+                               SCOPE="gpu")
         if ok:
             rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
             kk = tl.arange(0, BK)
@@ -139,9 +156,13 @@ def l2_kernel(
             a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
             w_ptrs = w2 + e.to(tl.int64) * H * I + n[None, :].to(tl.int64) * I + kk[:, None]
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for _k in range(0, I, BK):
-                a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
+            for k0 in range(0, I, BK):
+                if USE_TMA:
+                    a = a_desc.load([mb * BM, k0])
+                    w = w_desc.load([e * H + nb * BN, k0]).T
+                else:
+                    a = tl.load(a_ptrs)
+                    w = tl.load(w_ptrs)
                 if UPCAST:
                     a = a.to(tl.float32)
                     w = w.to(tl.float32)
