@@ -75,7 +75,7 @@ class SymmBuffer:
             ptrs = [s.data_ptr() for s in self._storage]
         else:
             ptrs = self._init_group(config, group, device)
-        self.table = torch.tensor(ptrs, dtype=torch.uint64, device=self.device)
+        self.table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         self.max_spins = int(timeout_spins) if timeout_spins else _default_spins(self.device)
         if self.max_spins <= 0:
             raise ValueError(f"timeout_spins must be positive, got {timeout_spins}")
@@ -100,6 +100,11 @@ class SymmBuffer:
             raise ValueError("real ranks (group=...) with more than one rank need CUDA devices "
                              "and symmetric memory; use num_ranks= for virtual ranks on the CPU")
         import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):   # needed before torch 2.8
+            try:
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+            except Exception:  # noqa: BLE001 - newer torch: deprecated or already enabled
+                pass
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         hdl = symm_mem.rendezvous(buf, group)
         buf.zero_()
@@ -143,13 +148,13 @@ class SymmBuffer:
         return raw.view(_TORCH_DTYPES[r.dtype]).view(r.shape)
 
     def weight_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """uint64 table of the local ranks' weight tensors, cached by address."""
+        """int64 table of the local ranks' weight tensor addresses, cached by address."""
         key = tuple(t.data_ptr() for t in tensors)
         tab = self._weight_tables.get(key)
         if tab is None:
             if len(self._weight_tables) > 64:
                 self._weight_tables.clear()
-            tab = torch.tensor(list(key), dtype=torch.uint64, device=self.device)
+            tab = torch.tensor(list(key), dtype=torch.int64, device=self.device)
             self._weight_tables[key] = tab
         return tab
 

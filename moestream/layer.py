@@ -1,5 +1,7 @@
 """The layer's public entry points.
 
+``mega_moe``: one rank per process (each process drives one GPU), no host synchronisation.
+``MegaMoE``: an nn.Module owning the buffer and this rank's experts.
 ``mega_moe_virtual``: all R ranks in this process (virtual ranks), lists indexed by rank.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ from . import stages
 from .buffer import SymmBuffer
 from .checks import check_expert_weights, check_routing, check_tensor, check_topk_range
 
-__all__ = ["mega_moe_virtual"]
+__all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
 
 def _prepare_rank(buffer: SymmBuffer, r: int, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -90,3 +92,132 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
     stages.run_staged(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning or stages.Tuning())
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
+
+
+def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             w13: torch.Tensor, w2: torch.Tensor, buffer: SymmBuffer, *,
+             out: torch.Tensor | None = None, validate: bool = False,
+             tuning: stages.Tuning | None = None) -> torch.Tensor:
+    """The expert-parallel MoE layer for the calling rank.
+
+    Collective: every rank of the buffer's group calls it the same number of times, in the
+    same order (ranks may pass different token counts, including 0). No host synchronisation:
+    the call can be captured in a CUDA graph (after one warm-up call) and replayed with new
+    inputs copied into the captured tensors.
+
+    Args:
+        x: [T, H] bf16 tokens of this rank, T <= config.max_tokens_per_rank.
+        topk_idx: [T, K] int32/int64 global expert ids in [-1, E); -1 = no expert.
+        topk_weights: [T, K] fp32 gate weights (applied as given).
+        w13: [E/R, 2I, H] bf16 contiguous, this rank's experts [rank*E/R, (rank+1)*E/R);
+            rows 0..I-1 gate, I..2I-1 up.
+        w2: [E/R, H, I] bf16 contiguous.
+        buffer: ``SymmBuffer(config, group=...)`` (or a virtual buffer with one rank).
+        out: optional [T, H] bf16 output tensor.
+        validate: also check the topk id range on the host (synchronises). Without it, ids
+            outside [-1, E) are ignored by the kernels and reported as a ValueError by a later
+            call (or ``buffer.check()``).
+
+    Returns:
+        y: [T, H] bf16, sum over k of topk_weights * expert(x).
+    """
+    if not isinstance(buffer, SymmBuffer) or buffer.local_ranks != 1:
+        raise ValueError("buffer must be a SymmBuffer(config, group=...) for this rank (or a "
+                         "virtual SymmBuffer with num_ranks=1); for several virtual ranks use "
+                         "mega_moe_virtual")
+    topk_idx, topk_weights = _prepare_rank(buffer, 0, x, topk_idx, topk_weights, w13, w2,
+                                           validate=validate, prefix="")
+    capturing = buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        buffer.poll()
+    T, H = x.shape
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=buffer.device)
+    else:
+        check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
+        if out.stride(1) != 1:
+            raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
+    stages.run_staged(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out,
+                      tuning=tuning or stages.Tuning())
+    if buffer.device.type != "cuda":
+        buffer.check()       # the interpreter ran synchronously: report now
+    elif not capturing:
+        buffer.after_call()  # copied back asynchronously; the next call's poll() reports it
+    return out
+
+
+class MegaMoE(torch.nn.Module):
+    """An expert-parallel MoE layer (routed experts) for one rank: owns its buffer and its
+    E/R experts' weights.
+
+    Collective: every rank of ``group`` constructs it and calls ``forward`` together.
+    Inference only (no autograd through the kernels).
+
+    Args:
+        config: the layer's sizes.
+        group: process group, one rank per GPU (default: the default group when
+            torch.distributed is initialised, else a single rank in this process).
+        device: where the weights and buffer live (default: the current CUDA device, else cpu).
+        scoring, renormalize: how ``forward_logits`` routes (see ``moestream.route``).
+
+    Attributes:
+        w13 [E/R, 2I, H] bf16 and w2 [E/R, H, I] bf16: this rank's experts (parameters,
+            uninitialised until loaded or ``reset_parameters`` is called).
+    """
+
+    def __init__(self, config, *, group=None, device: str | torch.device | None = None,
+                 scoring: str = "softmax", renormalize: bool = True) -> None:
+        super().__init__()
+        import torch.distributed as dist
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        if group is None:
+            self.buffer = SymmBuffer(config, num_ranks=1, device=device)
+        else:
+            self.buffer = SymmBuffer(config, group=group, device=device)
+        self.config = config
+        self.scoring, self.renormalize = scoring, renormalize
+        e_loc = config.experts_per_rank(self.buffer.num_ranks)
+        H, I = config.hidden, config.intermediate
+        self.w13 = torch.nn.Parameter(torch.empty(e_loc, 2 * I, H, dtype=torch.bfloat16,
+                                                  device=device), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(e_loc, H, I, dtype=torch.bfloat16,
+                                                 device=device), requires_grad=False)
+
+    @property
+    def rank(self) -> int:
+        return self.buffer.rank0
+
+    @property
+    def expert_range(self) -> range:
+        """Global ids of the experts this rank holds."""
+        e_loc = self.w13.shape[0]
+        return range(self.rank * e_loc, (self.rank + 1) * e_loc)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random experts with unit-variance activations (1/sqrt(fan_in))."""
+        H, I = self.config.hidden, self.config.intermediate
+        self.w13.copy_(torch.randn(self.w13.shape, generator=generator) * H ** -0.5)
+        self.w2.copy_(torch.randn(self.w2.shape, generator=generator) * I ** -0.5)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] bf16, topk_idx [T, K] int (global ids, -1 = none), topk_weights [T, K] fp32
+        -> y [T, H] bf16."""
+        return mega_moe(x, topk_idx, topk_weights, self.w13, self.w2, self.buffer)
+
+    def forward_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Route with ``moestream.route`` (this module's scoring) and run the layer.
+        router_logits: [T, E] float."""
+        from .reference import route
+        idx, w = route(router_logits, self.config.top_k, scoring=self.scoring,
+                       renormalize=self.renormalize)
+        return self.forward(x, idx, w)
+
+    def destroy(self) -> None:
+        """Free the buffer (collective)."""
+        self.buffer.destroy()

@@ -145,10 +145,11 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
     _dispatch.dispatch_kernel[grid](
         buffer.table, buffer.rank0,
-        off["off_epoch"], off["off_src_row"], off["off_src_tokens"], off["off_arrival"],
-        off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
-        off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
+        off["off_epoch"], off["off_diag"], off["off_src_row"], off["off_src_tokens"],
+        off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
+        off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, cfg.hidden, c["R"], c["E_LOC"], cfg.block_m,
+        cfg.pool_capacity(buffer.num_ranks),
         K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), R_PAD=next_pow2(c["R"]),
         BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
         **_launch_kw(buffer, tuning.copy_warps))

@@ -5,7 +5,7 @@ compiler when it is imported (TRITON_INTERPRET is read as its language module is
 so this module sets TRITON_INTERPRET=1 before importing triton when there is no CUDA device;
 on such a machine no other use of Triton is possible anyway.
 
-Peers are reached through a table of base addresses (uint64[R], one per rank's buffer); a
+Peers are reached through a table of base addresses (int64[R], one per rank's buffer); a
 region of peer r lives at ``table[r] + region offset``. The same code serves virtual ranks (R
 buffers in one process) and real peers (symmetric memory mapped over NVLink).
 """

@@ -19,7 +19,7 @@ from ._common import peer_ptr, peer_ptrs, tl, triton, wait_at_least
 
 @triton.jit
 def publish_kernel(
-    table,            # uint64[R]: base address of each rank's buffer
+    table,            # int64[R]: base address of each rank's buffer
     rank,             # the rank whose inputs these are
     x_TH,             # bf16 [T, H], row stride x_stride
     topk_idx_TK,      # int32/int64 [T, K]
@@ -150,10 +150,10 @@ def layout_kernel(
 @triton.jit
 def dispatch_kernel(
     table, rank0,
-    off_epoch, off_src_row, off_src_tokens, off_arrival,
+    off_epoch, off_diag, off_src_row, off_src_tokens, off_arrival,
     off_x, off_topk_idx, off_topk_weights, off_slot,
     off_pool_x, off_pool_src, off_pool_weight,
-    T_MAX, H, R, E_LOC, BM,
+    T_MAX, H, R, E_LOC, BM, P,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
 ):
     """Token-granular pull. Ticket i over (source rank, source token), sources in rank order.
@@ -171,6 +171,8 @@ def dispatch_kernel(
     incl = tl.cumsum(src_tokens, axis=0)
     excl = incl - src_tokens
     total = tl.sum(src_tokens, axis=0)
+    if tl.load(peer_ptr(table, rank, off_diag, tl.int32), volatile=True) != 0:
+        total = 0   # the layout step gave up waiting: its layout is stale, pull nothing
     src_row = peer_ptr(table, rank, off_src_row, tl.int32)
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
@@ -191,6 +193,7 @@ def dispatch_kernel(
             w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
                         other=0.0)
             row = tl.load(src_row + le * R + s, mask=mine, other=0) + slot
+            mine = mine & (row >= 0) & (row < P)   # a corrupt peer can never write out of bounds
             row64 = row.to(tl.int64)
             x_src = (peer_ptr(table, s, off_x, tl.bfloat16)
                      + (par64 * T_MAX + t.to(tl.int64)) * H)

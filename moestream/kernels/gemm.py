@@ -29,7 +29,7 @@ def expert_of_block(block_start, mb, E_LOC, E_PAD: tl.constexpr):
 
 @triton.jit
 def l1_kernel(
-    table, rank0, w13_table,   # uint64[R] buffers, uint64[local ranks] w13 bases
+    table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
     max_spins,
     off_epoch, off_diag, off_expert_count, off_block_start, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
@@ -111,7 +111,7 @@ def l1_kernel(
 
 @triton.jit
 def l2_kernel(
-    table, rank0, w2_table,    # uint64[R] buffers, uint64[local ranks] w2 bases
+    table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
     max_spins,
     off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,

@@ -1,0 +1,48 @@
+# moestream: two set-up commands on a fresh machine (README): `make run` and `make test`.
+# They create .venv with the pinned CPU builds: a bare `torch` requirement would pull a
+# multi-GB CUDA build. numpy stays below 2.3 because Triton 3.6's interpreter converts
+# one-element arrays to Python ints, which numpy 2.3 turned into an error.
+#
+# GPU machines (torch and triton preinstalled, nothing to download): `make test-gpu`,
+# `make bench`, `make bench-gemm` run the project in place with the system python3.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.2.6
+GPU_PY ?= python3
+RESULTS ?= benchmarks/results
+
+.PHONY: install run test test-gpu bench bench-gemm check clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(CPU_PINS)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/moestream run
+
+test: install
+	$(PY) -m pytest -q
+
+check: install
+	$(VENV)/bin/moestream check
+
+# ---- GPU machine (in place, no installs) --------------------------------------------------
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m "gpu or multigpu" tests
+
+bench:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --out $(RESULTS)/ep_h200x2.jsonl \
+		--plot $(RESULTS)/ep_h200x2.png
+
+bench-gemm:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --virtual-ranks 1 --shapes dsv3,qwen3 \
+		--out $(RESULTS)/gemm_h200.jsonl
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
+# Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
+# steps: comma list of env,test,gemm,ep,epfull (default env,test,gemm,ep)
+set -u
+OUT=${OUT:-/tmp/moestream-out}
+mkdir -p "$OUT"
+STEPS=${1:-env,test,gemm,ep}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+if has env; then
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.txt"
+  nvidia-smi topo -m 2>&1 | tee -a "$OUT/env.txt"
+  python3 -m moestream.cli check 2>&1 | tee -a "$OUT/env.txt"
+fi
+if has test; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m "gpu or multigpu" tests -p no:cacheprovider \
+    --timeout 240 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+fi
+if has gemm; then
+  timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.cli bench --virtual-ranks 1 --shapes dsv3,qwen3 \
+    --tokens-per-expert ${GEMM_M:-16,128,512,2048} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
+    --out "$OUT/gemm_h200.jsonl" 2>&1 | tee "$OUT/gemm.log" | tail -80
+fi
+if has ep; then
+  timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
+    --tokens ${EP_TOKENS:-1,128,2048,8192} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
+    2>&1 | tee "$OUT/ep.log" | tail -40
+fi

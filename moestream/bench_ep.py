@@ -1,0 +1,119 @@
+"""Expert-parallel layer benchmark across the GPUs of one node (BENCHMARKS.md protocol).
+
+Providers, measured in the same run on the same inputs:
+    staged   ours: mega_moe with one launch per stage (token-granular pull dispatch)
+    torch    all_to_all_single + torch._grouped_mm + all_to_all_single (moestream.baselines)
+
+Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
+over several sets); the slowest rank's figures are reported. Before timing, each point checks
+that the providers agree (relative difference within the bf16 tolerance), so a broken kernel is
+never timed as fast.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["bench_ep_worker", "run_ep_bench"]
+
+PROVIDERS = ("staged", "torch")
+
+
+def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
+    from .testing import make_routing, make_tokens
+    out = []
+    for _ in range(sets):
+        x = make_tokens(T, cfg.hidden, generator=gen, device=device)
+        idx, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=gen, device=device,
+                              skew=skew)
+        out.append((x, idx, w))
+    return out
+
+
+def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
+                    providers: Sequence[str], reps: int, warmup: int, skew: float | None,
+                    seed: int) -> list[dict]:
+    """Runs on every rank (spawned, one per GPU). Returns rank 0's rows (others: [])."""
+    import torch.distributed as dist
+
+    from . import MoEConfig, SymmBuffer, mega_moe
+    from .baselines.torch_a2a import moe_forward_a2a
+    from .bench import result_row, slowest, time_cuda
+    from .testing import TOLERANCE, rel_error
+
+    dev = torch.device("cuda", rank)
+    rows: list[dict] = []
+    progress = None
+    if rank == 0:
+        from rich.progress import Progress
+        progress = Progress()
+        progress.start()
+        task = progress.add_task("ep bench", total=len(shapes) * len(tokens))
+    try:
+        for shape in shapes:
+            cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
+            e_loc = cfg.experts_per_rank(world)
+            g = torch.Generator().manual_seed(seed + 17 * rank)
+            H, I = cfg.hidden, cfg.intermediate
+            w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
+            w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
+            buf = SymmBuffer(cfg, group=dist.group.WORLD) if "staged" in providers else None
+            for T in tokens:
+                sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
+                fns = {
+                    "staged": lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf),
+                    "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
+                                                      num_experts=cfg.num_experts),
+                }
+                # agreement check on the first input set before timing anything
+                outs = {p: fns[p](sets[0]) for p in providers}
+                agree = {}
+                if "torch" in outs:
+                    for p in providers:
+                        if p != "torch" and T:
+                            agree[p] = rel_error(outs[p], outs["torch"])
+                if buf is not None:
+                    buf.check()
+                for p in providers:
+                    dist.barrier()
+                    stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=sets))
+                    if rank == 0:
+                        err = agree.get(p)
+                        rows.append(result_row(
+                            shape=shape, ranks=world, tokens_per_rank=T, dtype="bf16",
+                            provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
+                            p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
+                            routing="skewed" if skew else "uniform",
+                            rel_diff_vs_torch=err,
+                            agrees=None if err is None else bool(err < 2 * TOLERANCE["bf16"])))
+                if buf is not None:
+                    buf.check()
+                if progress is not None:
+                    progress.advance(task)
+            if buf is not None:
+                buf.destroy()
+            del w13, w2
+            torch.cuda.empty_cache()
+    finally:
+        if progress is not None:
+            progress.stop()
+    return rows
+
+
+def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
+                 providers: Sequence[str] = PROVIDERS, world: int | None = None, reps: int = 20,
+                 warmup: int = 5, skew: float | None = None, seed: int = 0,
+                 timeout_s: float = 3000) -> list[dict]:
+    """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank)."""
+    from .distributed import spawn
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"unknown providers {unknown}; known: {PROVIDERS}")
+    world = world or torch.cuda.device_count()
+    if world < 1:
+        raise ValueError("the EP benchmark needs at least one CUDA GPU")
+    results = spawn(bench_ep_worker, world_size=world, backend="nccl",
+                    args=(list(shapes), list(tokens), list(providers), reps, warmup, skew, seed),
+                    timeout_s=timeout_s)
+    return results[0]

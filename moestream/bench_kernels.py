@@ -1,0 +1,189 @@
+"""Single-GPU benchmark of the L1/L2 grouped GEMMs against torch._grouped_mm on the same pool.
+
+The pool comes from the real path: R virtual ranks publish a routing that gives every local
+expert exactly M tokens, the dispatch kernel fills the pools, then the L1 and L2 launches are
+timed alone (their counters stay satisfied, so they can be repeated). torch._grouped_mm runs on
+the same tokens, packed without the pool's padding, and the same weights. Ours includes the
+fused SwiGLU x weight epilogue (L1) and the scatter into the combine slots (L2); torch's is the
+bare GEMM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+
+from . import stages
+from .bench import result_row, time_cuda
+from .buffer import SymmBuffer
+from .config import MoEConfig, cdiv
+from .testing import make_tokens
+
+__all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "uniform_routing"]
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """A GEMM configuration: the pool's block_m plus the launch tuning."""
+
+    name: str
+    block_m: int
+    tuning: stages.Tuning
+
+
+VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
+    GemmVariant("ptr-m64n128k64-w4s3", 64, stages.Tuning(use_tma=False, gemm_warps=4, gemm_stages=3,
+                                                         l1_block_n=128, l1_block_k=64,
+                                                         l2_block_n=128, l2_block_k=64)),
+    GemmVariant("tma-m64n128k64-w4s4", 64, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=4,
+                                                         l1_block_n=128, l1_block_k=64,
+                                                         l2_block_n=128, l2_block_k=64)),
+    GemmVariant("tma-m64n64k128-w4s3", 64, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=3,
+                                                         l1_block_n=64, l1_block_k=128,
+                                                         l2_block_n=128, l2_block_k=128)),
+    GemmVariant("tma-m128n128k64-w8s3", 128, stages.Tuning(use_tma=True, gemm_warps=8, gemm_stages=3,
+                                                           l1_block_n=128, l1_block_k=64,
+                                                           l2_block_n=256, l2_block_k=64)),
+    GemmVariant("tma-m128n64k64-w4s4", 128, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=4,
+                                                          l1_block_n=64, l1_block_k=64,
+                                                          l2_block_n=128, l2_block_k=64)),
+    GemmVariant("tma-m128n128k64-w8s4", 128, stages.Tuning(use_tma=True, gemm_warps=8, gemm_stages=4,
+                                                           l1_block_n=128, l1_block_k=64,
+                                                           l2_block_n=128, l2_block_k=64)),
+]}
+
+
+def uniform_routing(num_tokens: int, num_experts: int, top_k: int, *, first_expert: int = 0,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """topk_idx [T, K] int32 giving each of ``num_experts`` experts T*K/E picks, distinct
+    experts per token (K <= E), experts numbered from ``first_expert``."""
+    t = torch.arange(num_tokens, device=device)[:, None]
+    k = torch.arange(top_k, device=device)[None, :]
+    return ((t * top_k + k) % num_experts + first_expert).to(torch.int32)
+
+
+def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
+    """Buffer with every virtual rank's pool filled by the dispatch kernel: M tokens for each
+    of its E/R experts (sources spread over all ranks)."""
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    e_loc = cfg.experts_per_rank(R)
+    # every rank sends to every rank's experts: T*K picks per rank, E*M/R per rank in all
+    T = cfg.num_experts * M // (R * cfg.top_k)
+    xs = [make_tokens(T, cfg.hidden, generator=gen, device=device) for _ in range(R)]
+    idxs = [uniform_routing(T, cfg.num_experts, cfg.top_k, device=device) for _ in range(R)]
+    ws = [torch.rand(T, cfg.top_k, generator=gen).to(device) for _ in range(R)]
+    for lr in range(R):
+        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=variant.tuning)
+    stages.signal(buf)
+    stages.layout(buf)
+    stages.dispatch(buf, tuning=variant.tuning)
+    counts = buf.view("expert_count", 0)
+    assert int(counts.min()) == int(counts.max()) == M, counts
+    assert e_loc * M == T * cfg.top_k
+    return buf, xs, idxs
+
+
+def _row(shape, R, M, E, provider, kernel, t, flops, byts, **extra) -> dict:
+    from .bench import DEFAULT_CALIB
+    us = t["median_us"]
+    floor = max(flops / (DEFAULT_CALIB["bf16_tflops"] * 1e6), byts / (DEFAULT_CALIB["weights_tbps"] * 1e6))
+    return result_row(shape=shape, ranks=R, tokens_per_rank=M, dtype="bf16", provider=provider,
+                      kernel=kernel, tokens_per_expert=M, experts=E, median_us=us,
+                      p20_us=t["p20_us"], p80_us=t["p80_us"], tflops_per_gpu=flops / us / 1e6,
+                      weight_tbps=byts / us / 1e6, link_gbps=None, floor_us=floor, **extra)
+
+
+def _l1_error(buf: SymmBuffer, cfg: MoEConfig, w13: torch.Tensor, packed: torch.Tensor, M: int,
+              e_loc: int) -> float:
+    """Our L1 output on rank 0 against torch: silu(gate) * up * weight, per pool row."""
+    from .testing import rel_error
+    I = cfg.intermediate
+    offs = torch.arange(1, e_loc + 1, device=packed.device, dtype=torch.int32) * M
+    h = torch._grouped_mm(packed, w13.transpose(-2, -1), offs=offs).float()
+    bs = buf.view("block_start", 0).tolist()
+    rows = torch.cat([torch.arange(bs[e] * cfg.block_m, bs[e] * cfg.block_m + M)
+                      for e in range(e_loc)]).to(packed.device)
+    w = buf.view("pool_weight", 0)[rows]
+    ref = torch.nn.functional.silu(h[:, :I]) * h[:, I:] * w[:, None]
+    return rel_error(buf.view("pool_act", 0)[rows], ref)
+
+
+def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank: int = 32,
+               virtual_ranks: int = 1, variants: Iterable[str] | None = None,
+               warmup: int = 5, reps: int = 20, seed: int = 0, progress=None) -> list[dict]:
+    """Rows (one per kernel x provider x M): ours for each variant, torch._grouped_mm once.
+
+    Args:
+        shape: a BENCHMARKS.md shape name (hidden/intermediate/top_k from it).
+        tokens_per_expert: M values; each local expert of every rank gets exactly M tokens.
+        experts_per_rank: local experts (the model's expert count is replaced by
+            experts_per_rank * virtual_ranks so that the weights fit one GPU).
+        virtual_ranks: R; the L1/L2 launches cover all R pools.
+    """
+    from .config import SHAPES
+    device = torch.device("cuda")
+    names = list(variants) if variants else list(VARIANTS)
+    dims = SHAPES[shape]
+    R = virtual_ranks
+    E = experts_per_rank * R
+    H, I, K = dims["hidden"], dims["intermediate"], min(dims["top_k"], E)
+    gen = torch.Generator().manual_seed(seed)
+    gpu_gen = torch.Generator(device=device).manual_seed(seed)
+    # random weights drawn on the GPU (drawing GBs on the host would dominate the run)
+    w13s = [(torch.randn(experts_per_rank, 2 * I, H, generator=gpu_gen, device=device)
+             * H ** -0.5).bfloat16() for _ in range(R)]
+    w2s = [(torch.randn(experts_per_rank, H, I, generator=gpu_gen, device=device)
+            * I ** -0.5).bfloat16() for _ in range(R)]
+    rows: list[dict] = []
+    for M in tokens_per_expert:
+        t_max = cdiv(E * M, R * K)
+        weights_cfg = MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K,
+                                max_tokens_per_rank=t_max)
+        l1_flops = 2 * E * M * 2 * I * H
+        l2_flops = 2 * E * M * H * I
+        l1_bytes = sum(w.numel() * 2 for w in w13s)
+        l2_bytes = sum(w.numel() * 2 for w in w2s)
+        packed = None
+        for name in names:
+            v = VARIANTS[name]
+            cfg = replace(weights_cfg, block_m=v.block_m)
+            buf, xs, idxs = _prepare(cfg, R, M, v, device, gen)
+            if packed is None:
+                # the same tokens, packed per expert without padding, for torch
+                e_loc = experts_per_rank
+                packed = []
+                for d in range(R):
+                    bs = buf.view("block_start", d).tolist()
+                    pool = buf.view("pool_x", d)
+                    packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
+                                             for e in range(e_loc)]))
+            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=v.tuning), warmup=warmup, reps=reps)
+            err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
+            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps)
+            for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):
+                rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
+                                 l1_rel_error=err))
+            buf.destroy()
+            del buf
+            if progress:
+                progress()
+        # torch on the same tokens
+        offs = (torch.arange(1, experts_per_rank + 1, device=device, dtype=torch.int32) * M)
+        acts = [torch.randn(experts_per_rank * M, I, device=device).bfloat16() for _ in range(R)]
+
+        def torch_l1():
+            for d in range(R):
+                torch._grouped_mm(packed[d], w13s[d].transpose(-2, -1), offs=offs)
+
+        def torch_l2():
+            for d in range(R):
+                torch._grouped_mm(acts[d], w2s[d].transpose(-2, -1), offs=offs)
+
+        for kernel, fn, flops, byts in (("l1", torch_l1, l1_flops, l1_bytes),
+                                        ("l2", torch_l2, l2_flops, l2_bytes)):
+            t = time_cuda(fn, warmup=warmup, reps=reps)
+            rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts))
+        del packed, acts
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,305 @@
+"""The ``moestream`` command.
+
+    moestream run        the main job: the EP layer on this machine, checked against the reference
+    moestream check      what this install can do (versions, GPUs, symmetric memory)
+    moestream bench      benchmarks: EP layer across all GPUs, or --virtual-ranks R for the GEMMs
+    moestream simulate   the discrete-event model of token vs chunk streaming at scale
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _console():
+    import shutil
+
+    from rich.console import Console
+    # tables of results stay readable in logs and narrow terminals
+    return Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
+
+
+# ---- run --------------------------------------------------------------------------------
+
+def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provider: str):
+    """One rank of `moestream run`: returns (rank, rel error vs reference, seconds)."""
+    import torch
+
+    from . import MoEConfig, SymmBuffer, mega_moe
+    from .baselines.torch_a2a import moe_forward_a2a
+    from .reference import moe_forward
+    from .testing import make_routing, make_tokens, make_weights, rel_error
+    import torch.distributed as dist
+
+    cfg = MoEConfig(**cfg_dict)
+    dev = torch.device("cuda", rank) if torch.cuda.is_available() and provider != "torch-gloo" \
+        else torch.device("cpu")
+    w13s, w2s = make_weights(cfg, world, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    x = make_tokens(T, cfg.hidden, generator=g, device=dev)
+    idx, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=g, device=dev, drop=0.02)
+    w13, w2 = w13s[rank].to(dev), w2s[rank].to(dev)
+    if provider.startswith("torch"):
+        fn = lambda: moe_forward_a2a(x, idx, w, w13, w2, num_experts=cfg.num_experts)
+    else:
+        buf = SymmBuffer(cfg, group=dist.group.WORLD, device=dev)
+        fn = lambda: mega_moe(x, idx, w, w13, w2, buf)
+    y = fn()  # first call compiles
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    y = fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    ref = moe_forward(x, idx, w, torch.cat(w13s).to(dev), torch.cat(w2s).to(dev))
+    err = rel_error(y, ref)
+    if provider == "staged":
+        buf.check()
+        buf.destroy()
+    return rank, err, seconds
+
+
+def _run_virtual(cfg, R: int, T: int, seed: int):
+    import torch
+
+    from . import SymmBuffer, mega_moe_virtual
+    from .reference import moe_forward_ranks
+    from .testing import make_routing, make_tokens, make_weights, rel_error
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w13s, w2s = make_weights(cfg, R, generator=torch.Generator().manual_seed(seed), device=dev)
+    xs, idxs, ws = [], [], []
+    for r in range(R):
+        g = torch.Generator().manual_seed(seed + 1 + r)
+        xs.append(make_tokens(T, cfg.hidden, generator=g, device=dev))
+        i, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=g, device=dev, drop=0.02)
+        idxs.append(i)
+        ws.append(w)
+    buf = SymmBuffer(cfg, num_ranks=R, device=dev)
+    mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)   # compile / warm up
+    t0 = time.perf_counter()
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    refs = moe_forward_ranks(xs, idxs, ws, w13s, w2s)
+    return max(rel_error(y, r) for y, r in zip(ys, refs)), seconds, dev.type
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from . import MoEConfig
+    from .distributed import spawn
+    from .testing import TOLERANCE
+
+    con = _console()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    R = args.ranks or (gpus if gpus >= 1 else 2)
+    if gpus:
+        cfg = MoEConfig(hidden=2048, intermediate=768, num_experts=16 * R, top_k=8,
+                        max_tokens_per_rank=args.tokens or 512)
+    else:
+        cfg = MoEConfig(hidden=256, intermediate=128, num_experts=4 * R, top_k=2,
+                        max_tokens_per_rank=args.tokens or 24, block_m=16, block_n=64,
+                        block_k=64)
+    T = cfg.max_tokens_per_rank
+    con.print(f"[bold]moestream run[/]: {'GPU' if gpus else 'CPU'} machine, {R} ranks, "
+              f"H={cfg.hidden} I={cfg.intermediate} E={cfg.num_experts} K={cfg.top_k}, "
+              f"{T} tokens per rank, bf16")
+    rows = []
+    tol = TOLERANCE["bf16"]
+    jobs = []
+    if gpus:
+        jobs.append(("staged (mega_moe, NCCL ranks)", "staged", "nccl", R))
+        jobs.append(("torch all_to_all + grouped GEMM", "torch", "nccl", R))
+    else:
+        jobs.append(("torch all_to_all + per-expert GEMM (gloo)", "torch-gloo", "gloo", R))
+    with Progress(console=con, transient=True) as prog:
+        task = prog.add_task("running", total=len(jobs) + 1)
+        for label, provider, backend, world in jobs:
+            prog.update(task, description=label)
+            res = spawn(_run_worker, world_size=world, backend=backend,
+                        args=(cfg.to_dict(), T, args.seed, provider), timeout_s=900)
+            err = max(r[1] for r in res)
+            sec = max(r[2] for r in res)
+            rows.append((label, f"{world} processes", err, sec))
+            prog.advance(task)
+        prog.update(task, description="staged kernels, virtual ranks")
+        err, sec, where = _run_virtual(cfg, R, T, args.seed)
+        kind = "Triton interpreter" if where == "cpu" else "one GPU"
+        rows.append((f"staged kernels, {R} virtual ranks ({kind})", "1 process", err, sec))
+        prog.advance(task)
+    table = Table(title="moestream run: each provider against the fp32 reference")
+    for col in ("provider", "ranks", "config", "tokens/rank", "rel error", "time", "status"):
+        table.add_column(col)
+    ok = True
+    for label, procs, err, sec in rows:
+        good = err < tol
+        ok &= good
+        table.add_row(label, f"{R} ({procs})", f"H{cfg.hidden} I{cfg.intermediate} "
+                      f"E{cfg.num_experts} K{cfg.top_k}", str(T), f"{err:.2e}",
+                      f"{sec * 1e3:.1f} ms", "[green]ok[/]" if good else f"[red]> {tol}[/]")
+    con.print(table)
+    return 0 if ok else 1
+
+
+# ---- check ------------------------------------------------------------------------------
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import numpy
+    import torch
+    from rich.table import Table
+
+    from . import __version__
+    from .kernels._common import INTERPRET, triton
+
+    con = _console()
+    t = Table(title="moestream check")
+    t.add_column("item")
+    t.add_column("value")
+    t.add_row("moestream", __version__)
+    t.add_row("python", sys.version.split()[0])
+    t.add_row("torch", torch.__version__)
+    t.add_row("triton", triton.__version__)
+    t.add_row("numpy", numpy.__version__ + ("" if tuple(int(v) for v in numpy.__version__.split(".")[:2]) < (2, 3)
+                                            else "  (the Triton interpreter needs < 2.3)"))
+    t.add_row("kernels run", "Triton interpreter (CPU)" if INTERPRET else "compiled for the GPU")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    t.add_row("CUDA GPUs", str(n))
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        hopper = "yes" if p.major >= 9 else "no (kernels still run; no TMA)"
+        t.add_row(f"  cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                  f"{p.total_memory / 2**30:.0f} GiB, Hopper: {hopper}")
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        t.add_row("symmetric memory", "torch.distributed._symmetric_memory importable")
+        try:
+            t.add_row("NVSHMEM backend", str(symm_mem.is_nvshmem_available()))
+        except Exception as exc:  # noqa: BLE001 - report, don't fail
+            t.add_row("NVSHMEM backend", f"unknown ({type(exc).__name__})")
+        has_vdev = hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d")
+        t.add_row("all_to_all_vdev_2d", str(has_vdev))
+    except ImportError as exc:
+        t.add_row("symmetric memory", f"unavailable ({exc})")
+    if n >= 2:
+        t.add_row("peer access 0<->1", str(torch.cuda.can_device_access_peer(0, 1)))
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        t.add_row(var, os.environ.get(var, "(unset)"))
+    con.print(t)
+    return 0
+
+
+# ---- bench ------------------------------------------------------------------------------
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(v) for v in s.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+
+
+def _names(s: str) -> list[str]:
+    return [v for v in s.split(",") if v]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import append_rows, plot_rows, print_table
+
+    con = _console()
+    if not torch.cuda.is_available():
+        con.print("[red]moestream bench needs a CUDA GPU[/] (moestream run and the tests "
+                  "cover the CPU)")
+        return 2
+    out = args.out
+    if args.virtual_ranks:
+        from rich.progress import Progress
+
+        from .bench_kernels import VARIANTS, bench_gemm
+        variants = args.variants or list(VARIANTS)
+        rows = []
+        with Progress(console=con) as prog:
+            total = len(args.shapes) * len(args.tokens_per_expert) * len(variants)
+            task = prog.add_task("GEMM bench", total=total)
+            for shape in args.shapes:
+                rows += bench_gemm(shape=shape, tokens_per_expert=args.tokens_per_expert,
+                                   experts_per_rank=args.experts_per_rank,
+                                   virtual_ranks=args.virtual_ranks, variants=variants,
+                                   reps=args.reps, progress=lambda: prog.advance(task))
+        out = out or "benchmarks/results/gemm_h200.jsonl"
+        cols = ["shape", "kernel", "tokens_per_expert", "provider", "median_us",
+                "tflops_per_gpu", "weight_tbps", "efficiency", "l1_rel_error"]
+    else:
+        from .bench_ep import run_ep_bench
+        rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens, providers=args.providers,
+                            reps=args.reps, skew=args.skew)
+        out = out or f"benchmarks/results/ep_{torch.cuda.device_count()}gpu.jsonl"
+        cols = ["shape", "tokens_per_rank", "provider", "median_us", "p20_us", "p80_us",
+                "tflops_per_gpu", "link_gbps", "floor_us", "efficiency", "rel_diff_vs_torch"]
+    append_rows(out, rows)
+    con.print(f"{len(rows)} rows appended to {out}")
+    if args.plot and not args.virtual_ranks:
+        plot_rows(rows, args.plot, title=f"EP layer, {torch.cuda.device_count()}x "
+                                         f"{torch.cuda.get_device_name(0)}")
+        con.print(f"plot saved to {args.plot}")
+    print_table(rows, title="moestream bench", columns=cols)
+    return 0
+
+
+# ---- entry --------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run the EP layer here and check it against the reference")
+    r.add_argument("--ranks", type=int, default=0, help="ranks (default: every GPU, or 2 on CPU)")
+    r.add_argument("--tokens", type=int, default=0, help="tokens per rank")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("check", help="versions, GPUs, symmetric memory")
+    c.set_defaults(fn=cmd_check)
+
+    b = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md protocol)")
+    b.add_argument("--shapes", type=_names, default=["dsv3", "v4flash", "qwen3", "mixtral"])
+    b.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128, 512, 2048, 8192],
+                   help="tokens per rank (EP bench)")
+    b.add_argument("--providers", type=_names, default=["staged", "torch"])
+    b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
+    b.add_argument("--virtual-ranks", type=int, default=0,
+                   help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")
+    b.add_argument("--tokens-per-expert", type=_ints, default=[16, 128, 512, 2048])
+    b.add_argument("--experts-per-rank", type=int, default=32)
+    b.add_argument("--variants", type=_names, default=None, help="GEMM variants (default all)")
+    b.add_argument("--reps", type=int, default=20)
+    b.add_argument("--out", default=None, help="JSON-lines file the rows are appended to")
+    b.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
+    b.set_defaults(fn=cmd_bench)
+
+    try:
+        from .sim.cli import add_parser as add_sim
+        add_sim(sub)
+    except ImportError:  # pragma: no cover - the simulator ships with the package
+        pass
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
