@@ -1,0 +1,404 @@
+"""The benchmark protocol of BENCHMARKS.md as helpers: timing, floors, result rows, tables, plots.
+
+Importing this module needs no GPU; only ``time_cuda`` touches CUDA, and only when it is
+available. Benchmarks are scripts or CLI commands built on these helpers, never timed tests.
+
+Floors (per rank, EP over R ranks, uniform routing), see ``floors``:
+    compute = 6*T*K*H*I FLOP / dense rate
+    weights = touched local experts * 3*H*I * bytes per weight / HBM read rate
+    link    = remote (token, k) pairs * H * (dispatch + combine bytes per element) / peer rate
+    floor   = max(compute, weights, link), efficiency = floor / measured time
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .config import SHAPES, MoEConfig
+
+__all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
+           "expected_touched_experts", "result_row", "append_rows", "load_rows", "print_table",
+           "plot_rows"]
+
+# Rates measured on this project's 2x H200 SXM (NV18), BENCHMARKS.md "Calibration".
+DEFAULT_CALIB: dict[str, float] = {
+    "bf16_tflops": 728.0,    # dense bf16 8192^3 matmul
+    "fp8_tflops": 1414.0,    # dense fp8 torch._scaled_mm
+    "weights_tbps": 4.0,     # HBM read rate for expert weights (device copy, read + write)
+    "link_gbps": 360.0,      # peer rate per direction over NVLink, large transfers
+}
+
+# Bytes per element: of a weight, of a dispatched activation, of a combined output row.
+# fp8 (DeepSeek-V3 style) adds an fp32 scale per 128x128 weight block and per 128 activation
+# channels; the combine stays bf16.
+_BYTES: dict[str, dict[str, float]] = {
+    "bf16": dict(weight=2.0, dispatch=2.0, combine=2.0),
+    "fp8": dict(weight=1.0 + 4.0 / (128 * 128), dispatch=1.0 + 4.0 / 128, combine=2.0),
+}
+FLOOR_DTYPES = tuple(_BYTES)
+
+# Keys every result row carries (BENCHMARKS.md "Protocol"), in the order rows are written.
+ROW_KEYS = ("gpu", "num_gpus", "torch", "triton", "date", "shape", "ranks", "tokens_per_rank",
+            "dtype", "provider", "median_us", "p20_us", "p80_us", "tflops_per_gpu", "link_gbps",
+            "floor_us", "efficiency")
+_AUTO_KEYS = ("gpu", "torch", "triton", "date")
+_REQUIRED_KEYS = ("shape", "ranks", "tokens_per_rank", "dtype", "provider", "median_us",
+                  "p20_us", "p80_us")
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+def _percentile(sorted_vals: Sequence[float], q: float) -> float:
+    # Linear interpolation between closest ranks (numpy's default), without numpy.
+    pos = (len(sorted_vals) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
+              rotate: list | None = None) -> dict[str, Any]:
+    """Time ``fn`` per call: median and 20th/80th percentiles in microseconds.
+
+    With CUDA, each call is bracketed by CUDA events on the current stream and the host
+    synchronises once after the last call (so host-side launch gaps between calls are not
+    hidden by a sync per call). Without CUDA, each call is timed with ``time.perf_counter``.
+
+    Args:
+        fn: called as ``fn()``, or ``fn(rotate[i % len(rotate)])`` for call i (warm-up
+            included) when ``rotate`` is given, so inputs can rotate through more memory
+            than the L2 cache holds.
+        warmup: untimed calls first (>= 0).
+        reps: timed calls (>= 1; BENCHMARKS.md asks for >= 20).
+        rotate: optional non-empty list of inputs.
+
+    Returns:
+        dict with median_us, p20_us, p80_us, reps, clock ("cuda_events" or "perf_counter").
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
+    if rotate is not None and (not isinstance(rotate, (list, tuple)) or len(rotate) == 0):
+        raise ValueError(f"rotate must be a non-empty list of inputs or None, got {rotate!r}")
+
+    def call(i: int) -> None:
+        if rotate is None:
+            fn()
+        else:
+            fn(rotate[i % len(rotate)])
+
+    for i in range(warmup):
+        call(i)
+    if torch.cuda.is_available():
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for i in range(reps):
+            starts[i].record()
+            call(warmup + i)
+            ends[i].record()
+        torch.cuda.synchronize()
+        times_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+        clock = "cuda_events"
+    else:
+        times_us = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            call(warmup + i)
+            times_us.append((time.perf_counter() - t0) * 1e6)
+        clock = "perf_counter"
+    times_us.sort()
+    return dict(median_us=statistics.median(times_us), p20_us=_percentile(times_us, 0.2),
+                p80_us=_percentile(times_us, 0.8), reps=reps, clock=clock)
+
+
+def slowest(stats: dict[str, Any], *, group: Any = None) -> dict[str, Any]:
+    """The ``time_cuda`` result of the slowest rank (largest median), for every rank.
+
+    Every rank of ``group`` must call it (one all_gather_object). Without an initialised
+    process group, returns ``stats`` unchanged.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return dict(stats)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dict(stats), group=group)
+    rank = max(range(len(gathered)), key=lambda r: gathered[r]["median_us"])
+    return {**gathered[rank], "slowest_rank": rank}
+
+
+# ---- floors ------------------------------------------------------------------------------
+
+def _shape_dims(config_or_shape: Any) -> tuple[int, int, int, int]:
+    if isinstance(config_or_shape, MoEConfig):
+        c = config_or_shape
+        return c.hidden, c.intermediate, c.num_experts, c.top_k
+    if isinstance(config_or_shape, str):
+        if config_or_shape not in SHAPES:
+            raise ValueError(f"unknown shape {config_or_shape!r}; known shapes: {sorted(SHAPES)}")
+        config_or_shape = SHAPES[config_or_shape]
+    if isinstance(config_or_shape, Mapping):
+        keys = ("hidden", "intermediate", "num_experts", "top_k")
+        missing = [k for k in keys if k not in config_or_shape]
+        if missing:
+            raise ValueError(f"shape dict must have keys {keys}, missing {missing}")
+        dims = tuple(config_or_shape[k] for k in keys)
+        for k, v in zip(keys, dims):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"shape dict {k!r} must be a positive int, got {v!r}")
+        return dims  # type: ignore[return-value]
+    raise ValueError(f"config_or_shape_dict must be a MoEConfig, a dict with hidden, "
+                     f"intermediate, num_experts, top_k, or a name in {sorted(SHAPES)}; got "
+                     f"{type(config_or_shape).__name__}")
+
+
+def expected_touched_experts(*, num_experts: int, ranks: int, tokens_per_rank: int,
+                             top_k: int) -> int:
+    """Local experts of one rank that uniform routing is expected to touch, rounded up.
+
+    All R ranks' T*K picks land on one rank's E/R experts; modelling them as T*K*R
+    independent uniform picks over E experts, an expert is missed with probability
+    (1 - 1/E)^(T*K*R), so the expected touched count is E_loc * (1 - (1 - 1/E)^(T*K*R)).
+    Rounded up (a partly expected expert still costs a whole weight read) and capped at E_loc.
+    (Top-k picks without replacement within a token touch slightly more at small T; the
+    difference is under one expert and vanishes once every expert is hit.)
+    """
+    e_loc = num_experts // ranks
+    picks = tokens_per_rank * top_k * ranks
+    expected = e_loc * (1.0 - (1.0 - 1.0 / num_experts) ** picks)
+    # The small slack keeps a float just above an integer (e.g. 8.0000000001) from rounding up.
+    return min(e_loc, math.ceil(expected - 1e-9))
+
+
+def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_per_rank: int,
+           ranks: int, touched_experts: int | None = None, dtype: str = "bf16",
+           calib: Mapping[str, float] = DEFAULT_CALIB) -> dict[str, Any]:
+    """Lower bounds of one rank's layer time under uniform routing (BENCHMARKS.md "Floors").
+
+    Args:
+        config_or_shape_dict: a MoEConfig, a dict with hidden, intermediate, num_experts,
+            top_k (e.g. ``SHAPES["dsv3"]``), or a shape name.
+        tokens_per_rank: T (>= 0).
+        ranks: R, expert-parallel ranks (divides num_experts).
+        touched_experts: local experts whose weights are read; default
+            ``expected_touched_experts`` (the expectation under uniform routing). Pass the
+            count of a measured routing to get that run's floor.
+        dtype: "bf16" or "fp8" (fp8 weights and dispatch with fp32 block scales, bf16
+            combine, fp8 dense rate).
+        calib: rates: bf16_tflops, fp8_tflops, weights_tbps, link_gbps (DEFAULT_CALIB).
+
+    Returns:
+        dict with compute_us, weights_us, link_us, floor_us, bound ("compute", "weights" or
+        "link", the largest; ties go in that order), touched_experts, remote_pairs.
+    """
+    H, I, E, K = _shape_dims(config_or_shape_dict)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks <= 0 or E % ranks:
+        raise ValueError(f"ranks must be a positive int dividing num_experts ({E}), got {ranks!r}")
+    if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) \
+            or tokens_per_rank < 0:
+        raise ValueError(f"tokens_per_rank must be an int >= 0, got {tokens_per_rank!r}")
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {FLOOR_DTYPES}, got {dtype!r}")
+    missing = [k for k in ("bf16_tflops", "fp8_tflops", "weights_tbps", "link_gbps")
+               if k not in calib]
+    if missing:
+        raise ValueError(f"calib is missing {missing}; start from {{**DEFAULT_CALIB, ...}}")
+    e_loc = E // ranks
+    if touched_experts is None:
+        touched_experts = expected_touched_experts(num_experts=E, ranks=ranks,
+                                                   tokens_per_rank=tokens_per_rank, top_k=K)
+    elif isinstance(touched_experts, bool) or not isinstance(touched_experts, int) \
+            or not 0 <= touched_experts <= e_loc:
+        raise ValueError(f"touched_experts must be an int in [0, {e_loc}] (local experts), got "
+                         f"{touched_experts!r}")
+    T = tokens_per_rank
+    b = _BYTES[dtype]
+    # Uniform routing: a rank computes as many (token, k) pairs as it owns, T*K.
+    compute_us = 6.0 * T * K * H * I / (calib[f"{dtype}_tflops"] * 1e12) * 1e6
+    weights_us = touched_experts * 3.0 * H * I * b["weight"] / (calib["weights_tbps"] * 1e12) * 1e6
+    remote_pairs = T * K * (ranks - 1) / ranks
+    link_us = remote_pairs * H * (b["dispatch"] + b["combine"]) / (calib["link_gbps"] * 1e9) * 1e6
+    parts = {"compute": compute_us, "weights": weights_us, "link": link_us}
+    bound = max(parts, key=lambda k: parts[k])  # max keeps the first of equal values
+    return dict(compute_us=compute_us, weights_us=weights_us, link_us=link_us,
+                floor_us=parts[bound], bound=bound, touched_experts=touched_experts,
+                remote_pairs=remote_pairs)
+
+
+# ---- result rows -------------------------------------------------------------------------
+
+def _auto_fields() -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    else:
+        gpu = f"cpu ({platform.processor() or platform.machine() or 'unknown'})"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton_version,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def result_row(**fields: Any) -> dict[str, Any]:
+    """One result row with the keys of BENCHMARKS.md (``ROW_KEYS``), then any extra fields.
+
+    Required: shape, ranks, tokens_per_rank, dtype, provider, median_us, p20_us, p80_us.
+    Filled automatically unless given: gpu, torch, triton, date; num_gpus (= ranks); and,
+    when ``shape`` is a name in SHAPES: tflops_per_gpu (6*T*K*H*I / median), link_gbps (the
+    remote bytes of the link floor / median), floor_us (``floors`` with default touched
+    experts). efficiency = floor_us / median_us unless given.
+    """
+    missing = [k for k in _REQUIRED_KEYS if k not in fields]
+    if missing:
+        raise ValueError(f"result_row needs {list(_REQUIRED_KEYS)}; missing {missing}")
+    row = {**_auto_fields(), "num_gpus": fields["ranks"], **fields}
+    median = float(row["median_us"])
+    if not median > 0:
+        raise ValueError(f"median_us must be > 0, got {row['median_us']!r}")
+    derived = ("tflops_per_gpu", "link_gbps", "floor_us")
+    if any(k not in row for k in derived):
+        if row["shape"] not in SHAPES:
+            absent = [k for k in derived if k not in row]
+            raise ValueError(f"shape {row['shape']!r} is not in {sorted(SHAPES)}, so pass "
+                             f"{absent} explicitly")
+        if row["dtype"] not in _BYTES:
+            raise ValueError(f"dtype {row['dtype']!r} has no floor model (known: "
+                             f"{FLOOR_DTYPES}), so pass tflops_per_gpu, link_gbps, floor_us")
+        H, I, E, K = _shape_dims(row["shape"])
+        T, R = row["tokens_per_rank"], row["ranks"]
+        fl = floors(row["shape"], tokens_per_rank=T, ranks=R, dtype=row["dtype"])
+        b = _BYTES[row["dtype"]]
+        row.setdefault("tflops_per_gpu", 6.0 * T * K * H * I / (median * 1e-6) / 1e12)
+        row.setdefault("link_gbps", fl["remote_pairs"] * H * (b["dispatch"] + b["combine"])
+                       / (median * 1e-6) / 1e9)
+        row.setdefault("floor_us", fl["floor_us"])
+    if "efficiency" not in row:
+        row["efficiency"] = None if row["floor_us"] is None else float(row["floor_us"]) / median
+    return {**{k: row[k] for k in ROW_KEYS}, **{k: v for k, v in row.items() if k not in ROW_KEYS}}
+
+
+def append_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Append rows as JSON lines to ``path`` (parent folders created); returns rows written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(dict(row)) + "\n")
+            n += 1
+    return n
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file written by ``append_rows`` (blank lines skipped)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---- presentation ------------------------------------------------------------------------
+
+def _fmt(v: Any, digits: int) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        # µs and rates above 100 gain nothing from decimals; they only widen the table.
+        return f"{v:.{0 if digits == 1 and abs(v) >= 100 else digits}f}"
+    return str(v)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], title: str = "", *,
+                console: Any = None) -> Any:
+    """Print rows as a rich table (one line per row, in the given order); returns the Table.
+
+    ``console``: a ``rich.console.Console`` to print to (default: one on stdout, at least 132
+    columns wide so no number is cut when the output is piped).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or None)
+    columns = [("shape", "shape", 0), ("ranks", "R", 0), ("tokens_per_rank", "T/rank", 0),
+               ("dtype", "dtype", 0), ("provider", "provider", 0), ("median_us", "median µs", 1),
+               ("p20_us", "p20 µs", 1), ("p80_us", "p80 µs", 1),
+               ("tflops_per_gpu", "TFLOP/s", 1), ("link_gbps", "GB/s", 1),
+               ("floor_us", "floor µs", 1), ("efficiency", "eff", 2)]
+    for key, header, _ in columns:
+        table.add_column(header, no_wrap=True,
+                         justify="left" if key in ("shape", "dtype", "provider") else "right")
+    for row in rows:
+        table.add_row(*(_fmt(row.get(key), digits) for key, _, digits in columns))
+    if console is None:
+        console = Console()
+        console.width = max(console.width, 132)
+    console.print(table)
+    return table
+
+
+def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Save a PNG: median time vs tokens per rank (log-log), one subplot per shape, one line
+    per provider (p20-p80 shaded), the floor dashed. Uses the Agg canvas directly, so no
+    display and no global matplotlib backend change.
+
+    Lines are keyed by provider, plus ranks and dtype when the rows mix several.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not rows:
+        raise ValueError("plot_rows needs at least one row")
+    path = Path(path)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    many_ranks = len({r["ranks"] for r in rows}) > 1
+    many_dtypes = len({r["dtype"] for r in rows}) > 1
+
+    def label(r: Mapping[str, Any]) -> str:
+        return (str(r["provider"]) + (f" EP{r['ranks']}" if many_ranks else "")
+                + (f" {r['dtype']}" if many_dtypes else ""))
+
+    fig = Figure(figsize=(4.5 * len(shapes), 4.0), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(shapes), squeeze=False)[0]
+    for ax, shape in zip(axes, shapes):
+        lines: dict[str, list] = defaultdict(list)
+        floor_pts: dict[int, float] = {}
+        for r in rows:
+            # log axes cannot show T = 0 or a non-positive time
+            if r["shape"] != shape or r["tokens_per_rank"] <= 0 or r["median_us"] <= 0:
+                continue
+            lines[label(r)].append(r)
+            if r.get("floor_us"):
+                floor_pts.setdefault(r["tokens_per_rank"], r["floor_us"])
+        for name, pts in lines.items():
+            pts.sort(key=lambda r: r["tokens_per_rank"])
+            t = [r["tokens_per_rank"] for r in pts]
+            ax.plot(t, [r["median_us"] for r in pts], marker="o", label=name)
+            ax.fill_between(t, [r["p20_us"] for r in pts], [r["p80_us"] for r in pts], alpha=0.2)
+        if floor_pts:
+            t = sorted(floor_pts)
+            ax.plot(t, [floor_pts[x] for x in t], linestyle="--", color="grey", label="floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(shape)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("time per layer call (µs)")
+        ax.grid(True, which="both", alpha=0.3)
+        if lines or floor_pts:
+            ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
