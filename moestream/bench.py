@@ -313,16 +313,28 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
 def _fmt(v: Any, digits: int) -> str:
     if v is None:
         return "-"
+    if isinstance(v, float) and digits < 0:
+        return f"{v:.1e}"
     if isinstance(v, float):
         # µs and rates above 100 gain nothing from decimals; they only widen the table.
         return f"{v:.{0 if digits == 1 and abs(v) >= 100 else digits}f}"
     return str(v)
 
 
+_DEFAULT_COLUMNS = [("shape", "shape", 0), ("ranks", "R", 0), ("tokens_per_rank", "T/rank", 0),
+                    ("dtype", "dtype", 0), ("provider", "provider", 0),
+                    ("median_us", "median µs", 1), ("p20_us", "p20 µs", 1),
+                    ("p80_us", "p80 µs", 1), ("tflops_per_gpu", "TFLOP/s", 1),
+                    ("link_gbps", "GB/s", 1), ("floor_us", "floor µs", 1),
+                    ("efficiency", "eff", 2)]
+
+
 def print_table(rows: Sequence[Mapping[str, Any]], title: str = "", *,
-                console: Any = None) -> Any:
+                columns: Sequence[str] | None = None, console: Any = None) -> Any:
     """Print rows as a rich table (one line per row, in the given order); returns the Table.
 
+    ``columns``: row keys to show (default: the BENCHMARKS.md ones); keys naming an error or
+    a difference print in scientific notation, other unknown keys with 2 decimals.
     ``console``: a ``rich.console.Console`` to print to (default: one on stdout, at least 132
     columns wide so no number is cut when the output is piped).
     """
@@ -330,11 +342,11 @@ def print_table(rows: Sequence[Mapping[str, Any]], title: str = "", *,
     from rich.table import Table
 
     table = Table(title=title or None)
-    columns = [("shape", "shape", 0), ("ranks", "R", 0), ("tokens_per_rank", "T/rank", 0),
-               ("dtype", "dtype", 0), ("provider", "provider", 0), ("median_us", "median µs", 1),
-               ("p20_us", "p20 µs", 1), ("p80_us", "p80 µs", 1),
-               ("tflops_per_gpu", "TFLOP/s", 1), ("link_gbps", "GB/s", 1),
-               ("floor_us", "floor µs", 1), ("efficiency", "eff", 2)]
+    known = {key: (header, digits) for key, header, digits in _DEFAULT_COLUMNS}
+    if columns is None:
+        columns = _DEFAULT_COLUMNS
+    else:
+        columns = [(k, *known.get(k, (k, -1 if "error" in k or "diff" in k else 2))) for k in columns]
     for key, header, _ in columns:
         table.add_column(header, no_wrap=True,
                          justify="left" if key in ("shape", "dtype", "provider") else "right")

@@ -1,8 +1,10 @@
 """Expert-parallel layer benchmark across the GPUs of one node (BENCHMARKS.md protocol).
 
 Providers, measured in the same run on the same inputs:
-    staged   ours: mega_moe with one launch per stage (token-granular pull dispatch)
-    torch    all_to_all_single + torch._grouped_mm + all_to_all_single (moestream.baselines)
+    staged        ours: mega_moe with one launch per stage (token-granular pull dispatch)
+    staged-graph  the same calls captured once per input set in a CUDA graph and replayed
+                  (how an inference engine runs a decode step: no Python launch overhead)
+    torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -17,7 +19,7 @@ import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
-PROVIDERS = ("staged", "torch")
+PROVIDERS = ("staged", "staged-graph", "torch")
 
 
 def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
@@ -28,6 +30,19 @@ def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, se
         idx, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=gen, device=device,
                               skew=skew)
         out.append((x, idx, w))
+    return out
+
+
+def _capture(sets, fn) -> list:
+    """One CUDA graph per input set (after a warm-up call each): [(graph, output)]."""
+    out = []
+    for a in sets:
+        fn(a)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = fn(a)
+        out.append((g, y))
     return out
 
 
@@ -58,7 +73,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             H, I = cfg.hidden, cfg.intermediate
             w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
             w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
-            buf = SymmBuffer(cfg, group=dist.group.WORLD) if "staged" in providers else None
+            ours = [p for p in providers if p.startswith("staged")]
+            buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
             for T in tokens:
                 sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
                 fns = {
@@ -66,8 +82,15 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }
+                graphs = []
+                if "staged-graph" in providers:
+                    graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf))
+                    fns["staged-graph"] = lambda i: graphs[i][0].replay()
                 # agreement check on the first input set before timing anything
-                outs = {p: fns[p](sets[0]) for p in providers}
+                outs = {p: fns[p](sets[0]) for p in providers if p != "staged-graph"}
+                if graphs:
+                    graphs[0][0].replay()
+                    outs["staged-graph"] = graphs[0][1]
                 agree = {}
                 if "torch" in outs:
                     for p in providers:
@@ -77,7 +100,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     buf.check()
                 for p in providers:
                     dist.barrier()
-                    stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=sets))
+                    rotate = list(range(len(sets))) if p == "staged-graph" else sets
+                    stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=rotate))
                     if rank == 0:
                         err = agree.get(p)
                         rows.append(result_row(
@@ -89,6 +113,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             agrees=None if err is None else bool(err < 2 * TOLERANCE["bf16"])))
                 if buf is not None:
                     buf.check()
+                del graphs
                 if progress is not None:
                     progress.advance(task)
             if buf is not None:

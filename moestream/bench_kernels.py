@@ -32,25 +32,23 @@ class GemmVariant:
     tuning: stages.Tuning
 
 
+def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
+    """l1/l2 = (block_n, block_k, warps, stages)."""
+    return GemmVariant(name, block_m, stages.Tuning(
+        l1_block_n=l1[0], l1_block_k=l1[1], l1_warps=l1[2], l1_stages=l1[3],
+        l2_block_n=l2[0], l2_block_k=l2[1], l2_warps=l2[2], l2_stages=l2[3],
+        **{"use_tma": True, "wait": False, **kw}))
+
+
+# Names: m<block_m>, then each GEMM's n/k tile, warps and stages. "layer-default" is what
+# Tuning.for_buffer picks for block_m 128 (the config default); earlier sweeps in
+# benchmarks/NOTES.md.
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
-    GemmVariant("ptr-m64n128k64-w4s3", 64, stages.Tuning(use_tma=False, gemm_warps=4, gemm_stages=3,
-                                                         l1_block_n=128, l1_block_k=64,
-                                                         l2_block_n=128, l2_block_k=64)),
-    GemmVariant("tma-m64n128k64-w4s4", 64, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=4,
-                                                         l1_block_n=128, l1_block_k=64,
-                                                         l2_block_n=128, l2_block_k=64)),
-    GemmVariant("tma-m64n64k128-w4s3", 64, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=3,
-                                                         l1_block_n=64, l1_block_k=128,
-                                                         l2_block_n=128, l2_block_k=128)),
-    GemmVariant("tma-m128n128k64-w8s3", 128, stages.Tuning(use_tma=True, gemm_warps=8, gemm_stages=3,
-                                                           l1_block_n=128, l1_block_k=64,
-                                                           l2_block_n=256, l2_block_k=64)),
-    GemmVariant("tma-m128n64k64-w4s4", 128, stages.Tuning(use_tma=True, gemm_warps=4, gemm_stages=4,
-                                                          l1_block_n=64, l1_block_k=64,
-                                                          l2_block_n=128, l2_block_k=64)),
-    GemmVariant("tma-m128n128k64-w8s4", 128, stages.Tuning(use_tma=True, gemm_warps=8, gemm_stages=4,
-                                                           l1_block_n=128, l1_block_k=64,
-                                                           l2_block_n=128, l2_block_k=64)),
+    _v("layer-default", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
+    _v("layer-default+wait", 128, (128, 64, 8, 3), (64, 64, 4, 4), wait=True),
+    _v("layer-default-pointers", 128, (128, 64, 8, 3), (64, 64, 4, 4), use_tma=False),
+    _v("m128-l2k128w4s3", 128, (128, 64, 8, 4), (64, 128, 4, 3)),
+    _v("m64-n128k64-w4s4", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
 ]}
 
 
@@ -144,20 +142,17 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
         l2_flops = 2 * E * M * H * I
         l1_bytes = sum(w.numel() * 2 for w in w13s)
         l2_bytes = sum(w.numel() * 2 for w in w2s)
-        packed = None
         for name in names:
             v = VARIANTS[name]
             cfg = replace(weights_cfg, block_m=v.block_m)
             buf, xs, idxs = _prepare(cfg, R, M, v, device, gen)
-            if packed is None:
-                # the same tokens, packed per expert without padding, for torch
-                e_loc = experts_per_rank
-                packed = []
-                for d in range(R):
-                    bs = buf.view("block_start", d).tolist()
-                    pool = buf.view("pool_x", d)
-                    packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
-                                             for e in range(e_loc)]))
+            # the same tokens, packed per expert without padding, for torch
+            packed = []
+            for d in range(R):
+                bs = buf.view("block_start", d).tolist()
+                pool = buf.view("pool_x", d)
+                packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
+                                         for e in range(experts_per_rank)]))
             l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=v.tuning), warmup=warmup, reps=reps)
             err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
             l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps)

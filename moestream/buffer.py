@@ -28,6 +28,16 @@ _TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bfloat16": tor
                  "uint8": torch.uint8}
 
 
+def _normalise_device(device) -> torch.device:
+    """cuda means the current CUDA device, with its index (so tensor devices compare equal)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class KernelStallError(RuntimeError):
     """A kernel gave up waiting for a counter; the message names it."""
 
@@ -64,8 +74,7 @@ class SymmBuffer:
         self._weight_tables: dict[tuple[int, ...], torch.Tensor] = {}
         if group is None:
             config.check_ranks(num_ranks)
-            self.device = torch.device(device if device is not None else
-                                       ("cuda" if torch.cuda.is_available() else "cpu"))
+            self.device = _normalise_device(device)
             self.num_ranks = num_ranks
             self.rank = None
             self.rank0 = 0
@@ -88,9 +97,7 @@ class SymmBuffer:
         self.rank = dist.get_rank(group)
         config.check_ranks(self.num_ranks)
         self.rank0 = self.rank
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+        self.device = _normalise_device(device)
         self.layout = make_layout(config, self.num_ranks)
         nbytes = self.layout.total_bytes
         if self.num_ranks == 1:
@@ -137,7 +144,7 @@ class SymmBuffer:
         return self.rank0 + local
 
     def offsets(self) -> dict[str, int]:
-        """Kernel keyword arguments ``off_<region>`` for every region."""
+        """Kernel arguments ``off_<region>``: every region's byte offset (and the reset span's)."""
         return {f"off_{n}": off for n, off in self.layout.offsets().items()} | {
             "off_reset": self.layout.reset_span[0]}
 

@@ -64,7 +64,7 @@ class MoEConfig:
     top_k: int
     max_tokens_per_rank: int
     dtype: str = "bf16"
-    block_m: int = 64
+    block_m: int = 128
     block_n: int = 128
     block_k: int = 64
 

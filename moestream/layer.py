@@ -89,7 +89,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    stages.run_staged(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning or stages.Tuning())
+    stages.run_staged(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
 
@@ -138,7 +138,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
     stages.run_staged(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out,
-                      tuning=tuning or stages.Tuning())
+                      tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now
     elif not capturing:

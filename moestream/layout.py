@@ -12,7 +12,7 @@ calls, since every call waits for every peer's ready flag of that call):
                                               first stall's diagnostic)
                num_tokens [2], send_counts [2, E]   published with the inputs (peers read)
                expert_count, block_start, src_row   this rank's pool layout, computed on device
-               arrival, l1_done, combine_flag      counters, zeroed at the start of every call
+               arrival, l1_done, l2_done, combine_flag   counters, zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
     act        pool_act [P, I]                                 L1 output (SwiGLU x weight)
@@ -109,7 +109,8 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("src_tokens", (num_ranks,), "int32", "T of each source rank in this call", False, False),
         ("arrival", (n_mb,), "int32", "tokens arrived per pool m-block (dispatch -> L1)", True, False),
         ("l1_done", (n_mb,), "int32", "L1 column blocks finished per m-block (L1 -> L2)", True, False),
-        ("combine_flag", (T, K), "int32", "L2 column blocks written per pick (peers' L2 -> combine)", True, True),
+        ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
+        ("combine_flag", (T, K), "int32", "1 once a pick's L2 row is complete (peers' L2 -> combine)", True, True),
         ("x", (2, T, H), "bfloat16", "published tokens, by parity", False, True),
         ("topk_idx", (2, T, K), "int32", "published expert ids, by parity", False, True),
         ("topk_weights", (2, T, K), "float32", "published gate weights, by parity", False, True),

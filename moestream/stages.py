@@ -34,14 +34,17 @@ class Tuning:
 
     programs: persistent programs per local rank (0 = a multiple of the SM count).
     l1_block_n/k, l2_block_n/k: GEMM tiles (None = the config's block_n/block_k).
+    l1_warps/l1_stages, l2_warps/l2_stages: warps and software-pipeline depth of each GEMM.
     use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere).
     wait: GEMM blocks acquire their input counters. Stream order already guarantees them in
-        the staged path, but tests keep it on to exercise the waits.
+        the staged path (``for_buffer`` turns them off on GPUs); tests keep them on.
     """
 
     programs: int = 0
-    gemm_warps: int = 4
-    gemm_stages: int = 3
+    l1_warps: int = 4
+    l1_stages: int = 3
+    l2_warps: int = 4
+    l2_stages: int = 3
     copy_warps: int = 4
     hidden_chunk: int = 1024
     l1_block_n: int | None = None
@@ -51,16 +54,62 @@ class Tuning:
     use_tma: bool | None = None
     wait: bool = True
 
+    @classmethod
+    def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
+        """What the layer uses by default: the best tiles of benchmarks/NOTES.md on Hopper
+        (block_m 128: L1 128x128x64 with 8 warps, L2 128x64x64 with 4 warps), no waits on
+        GPUs (stream order), waits on under the interpreter."""
+        if buffer.device.type != "cuda":
+            return cls()
+        if buffer.config.block_m >= 128:
+            return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=4, l1_block_n=128,
+                       l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
+        return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
+                   l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
+
     def l1_tile(self, cfg) -> tuple[int, int]:
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
 
     def l2_tile(self, cfg) -> tuple[int, int]:
         return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
 
-    def tma(self, device: torch.device) -> bool:
-        if self.use_tma is not None:
-            return self.use_tma
-        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    def tma(self, buffer: SymmBuffer) -> bool:
+        return _constants(buffer).hopper if self.use_tma is None else self.use_tma
+
+
+@dataclass(frozen=True)
+class _Constants:
+    """Per-buffer launch arguments, computed once (the forward path stays light on Python)."""
+
+    off: dict
+    R: int
+    E_LOC: int
+    R_PAD: int
+    E_PAD: int
+    K_PAD: int
+    E_ALL_PAD: int
+    P: int
+    reset_words: int
+    sms: int
+    hopper: bool
+
+
+def _constants(buffer: SymmBuffer) -> _Constants:
+    c = getattr(buffer, "_launch_constants", None)
+    if c is None:
+        cfg = buffer.config
+        R = buffer.num_ranks
+        e_loc = cfg.experts_per_rank(R)
+        cuda = buffer.device.type == "cuda"
+        props = torch.cuda.get_device_properties(buffer.device) if cuda else None
+        c = _Constants(off=buffer.offsets(), R=R, E_LOC=e_loc, R_PAD=next_pow2(R),
+                       E_PAD=next_pow2(e_loc), K_PAD=next_pow2(cfg.top_k),
+                       E_ALL_PAD=next_pow2(cfg.num_experts), P=cfg.pool_capacity(R),
+                       reset_words=buffer.layout.reset_span[1] // 4,
+                       sms=props.multi_processor_count if cuda else 0,
+                       hopper=bool(cuda and props.major >= 9))
+        buffer._launch_constants = c
+    return c
 
 
 def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
@@ -78,18 +127,12 @@ def _ensure_allocator(use_tma: bool) -> None:
 def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int) -> int:
     if tuning.programs:
         return tuning.programs
-    if buffer.device.type != "cuda":
-        return 2  # the interpreter runs programs one after another: 2 still walks the tickets
-    sms = torch.cuda.get_device_properties(buffer.device).multi_processor_count
-    return sms * per_sm
+    sms = _constants(buffer).sms
+    # the interpreter runs programs one after another: 2 still walks the persistent loops
+    return sms * per_sm if sms else 2
 
 
-def _common(buffer: SymmBuffer) -> dict:
-    cfg = buffer.config
-    return dict(R=buffer.num_ranks, E_LOC=cfg.experts_per_rank(buffer.num_ranks))
-
-
-def _launch_kw(buffer: SymmBuffer, warps: int, stages: int | None = None) -> dict:
+def _launch_kw(warps: int, stages: int | None = None) -> dict:
     if INTERPRET:
         return {}
     kw = dict(num_warps=warps)
@@ -103,101 +146,95 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     """Copy one local rank's inputs into the next parity of its buffer; zero its counters.
     Inputs must already be validated (contiguous topk tensors, x rows with unit stride)."""
     cfg = buffer.config
+    c = _constants(buffer)
+    off = c.off
     counts, slot = source_slots(topk_idx, cfg.num_experts)
-    off = buffer.offsets()
     T = x.shape[0]
-    reset_words = buffer.layout.reset_span[1] // 4
     BT = 8
-    grid = (max(cdiv(T, BT), cdiv(reset_words, 16384), 1),)
+    grid = (max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1),)
     _dispatch.publish_kernel[grid](
         buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights, slot, counts,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
         off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
-        off["off_reset"], reset_words,
-        E=cfg.num_experts, K=cfg.top_k, K_PAD=next_pow2(cfg.top_k),
-        E_PAD=next_pow2(cfg.num_experts), BT=BT, BH=min(next_pow2(cfg.hidden), 512),
-        BZ=1024, **_launch_kw(buffer, tuning.copy_warps))
+        off["off_reset"], c.reset_words,
+        E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, E_PAD=c.E_ALL_PAD, BT=BT,
+        BH=min(next_pow2(cfg.hidden), 512), BZ=1024, **_launch_kw(tuning.copy_warps))
 
 
 def signal(buffer: SymmBuffer) -> None:
-    off = buffer.offsets()
+    off = _constants(buffer).off
     _dispatch.signal_kernel[(buffer.local_ranks,)](buffer.table, buffer.rank0, off["off_epoch"],
                                                    off["off_ready"])
 
 
 def layout(buffer: SymmBuffer) -> None:
-    off = buffer.offsets()
-    c = _common(buffer)
+    c = _constants(buffer)
+    off = c.off
     _dispatch.layout_kernel[(buffer.local_ranks,)](
         buffer.table, buffer.rank0, buffer.max_spins,
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
         off["off_src_row"], off["off_src_tokens"],
-        c["R"], c["E_LOC"], buffer.config.block_m,
-        R_PAD=next_pow2(c["R"]), E_PAD=next_pow2(c["E_LOC"]))
+        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD)
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     cfg = buffer.config
-    off = buffer.offsets()
-    c = _common(buffer)
+    c = _constants(buffer)
+    off = c.off
     grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
     _dispatch.dispatch_kernel[grid](
         buffer.table, buffer.rank0,
         off["off_epoch"], off["off_diag"], off["off_src_row"], off["off_src_tokens"],
         off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
-        cfg.max_tokens_per_rank, cfg.hidden, c["R"], c["E_LOC"], cfg.block_m,
-        cfg.pool_capacity(buffer.num_ranks),
-        K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), R_PAD=next_pow2(c["R"]),
-        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
-        **_launch_kw(buffer, tuning.copy_warps))
+        cfg.max_tokens_per_rank, cfg.hidden, c.R, c.E_LOC, cfg.block_m, c.P,
+        K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
+        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), **_launch_kw(tuning.copy_warps))
 
 
 def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
     cfg = buffer.config
-    off = buffer.offsets()
-    c = _common(buffer)
-    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    c = _constants(buffer)
+    off = c.off
     bn, bk = tuning.l1_tile(cfg)
-    tma = tuning.tma(buffer.device)
+    tma = tuning.tma(buffer)
     _ensure_allocator(tma)
+    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l1_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
         off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
         off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-        off["off_pool_act"],
-        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.pool_capacity(buffer.num_ranks),
-        BM=cfg.block_m, BN=bn, BK=bk, E_PAD=next_pow2(c["E_LOC"]),
-        UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-        **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
+        off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P,
+        BM=cfg.block_m, BN=bn, BK=bk, E_PAD=c.E_PAD, UPCAST=INTERPRET, USE_TMA=tma,
+        WAIT=tuning.wait, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
     cfg = buffer.config
-    off = buffer.offsets()
-    c = _common(buffer)
-    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
+    c = _constants(buffer)
+    off = c.off
     bn, bk = tuning.l2_tile(cfg)
-    tma = tuning.tma(buffer.device)
+    tma = tuning.tma(buffer)
     _ensure_allocator(tma)
+    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l2_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
         off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
-        off["off_l1_done"], off["off_pool_act"], off["off_pool_src"], off["off_combine_y"],
-        off["off_combine_flag"],
-        cfg.hidden, cfg.intermediate, c["E_LOC"], cfg.max_tokens_per_rank,
-        cfg.intermediate // tuning.l1_tile(cfg)[0], cfg.pool_capacity(buffer.num_ranks),
-        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk,
-        E_PAD=next_pow2(c["E_LOC"]), UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-        **_launch_kw(buffer, tuning.gemm_warps, tuning.gemm_stages))
+        off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
+        off["off_combine_y"], off["off_combine_flag"],
+        cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
+        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P,
+        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, E_PAD=c.E_PAD, UPCAST=INTERPRET,
+        USE_TMA=tma, WAIT=tuning.wait, **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
     """y: [local ranks, T, H] bf16 (or [T, H] for one local rank); row stride may exceed H."""
     cfg = buffer.config
-    off = buffer.offsets()
+    c = _constants(buffer)
+    off = c.off
     y3 = y if y.dim() == 3 else y.unsqueeze(0)
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
@@ -205,16 +242,17 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         buffer.table, buffer.rank0, buffer.max_spins, y3, y3.stride(0), y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
         off["off_combine_y"], off["off_combine_flag"],
-        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.hidden // tuning.l2_tile(cfg)[0],
-        K=cfg.top_k, K_PAD=next_pow2(cfg.top_k), BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
-        FIX_ROUNDING=INTERPRET, **_launch_kw(buffer, tuning.copy_warps))
+        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts,
+        K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
+        FIX_ROUNDING=INTERPRET, **_launch_kw(tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
                topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
                w2s: Sequence[torch.Tensor], y: torch.Tensor, *,
-               tuning: Tuning = Tuning()) -> None:
+               tuning: Tuning | None = None) -> None:
     """All stages for every local rank; y [local ranks, T_out, H] receives the outputs."""
+    tuning = tuning or Tuning.for_buffer(buffer)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     signal(buffer)

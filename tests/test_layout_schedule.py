@@ -21,8 +21,8 @@ def test_regions_aligned_disjoint_and_sized():
     assert lay["combine_y"].shape == (40, 3, 512)
     assert lay["x"].shape == (2, 40, 512)            # double-buffered by call parity
     lo, n = lay.reset_span
-    assert {r.name for r in regions if lo <= r.offset < lo + n} == {"arrival", "l1_done",
-                                                                    "combine_flag"}
+    assert {r.name for r in regions if lo <= r.offset < lo + n} == {
+        "arrival", "l1_done", "l2_done", "combine_flag"}
     with pytest.raises(KeyError, match="no region"):
         lay["nope"]
 

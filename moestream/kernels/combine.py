@@ -2,7 +2,7 @@
 
 Legend:
     combine_y [T_MAX, K, H] bf16   row (t, k) written by the owner of expert topk_idx[t, k]
-    combine_flag [T_MAX, K] int32  L2 column blocks written for (t, k); complete at NB2
+    combine_flag [T_MAX, K] int32  set to 1 by the L2 block that completes (t, k)'s row
     y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
 
 One ticket per token; the hidden dimension is walked in BH-wide chunks so a program never
@@ -19,7 +19,7 @@ def combine_kernel(
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
     y_rank_stride, y_stride,
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
-    T_MAX, H, E, NB2,
+    T_MAX, H, E,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -42,7 +42,7 @@ def combine_kernel(
         tk = t.to(tl.int64) * K + k
         idx = tl.load(topk_idx + tk, mask=km, other=-1)
         valid = km & (idx >= 0) & (idx < E)
-        ok = wait_all_at_least(flags + tk, NB2, valid, diag, max_spins, 4, rank, t * K, epoch,
+        ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, 4, rank, t * K, epoch,
                                SCOPE="sys")
         if ok:
             for h0 in range(0, H, BH):

@@ -8,6 +8,9 @@ Legend:
     pool_act [P, I] bf16  silu(x @ gate^T) * (x @ up^T) * topk weight
     w2 [E_LOC, H, I]
     combine_y [T_MAX, K, H] bf16 on the token's rank, flag combine_flag [T_MAX, K]
+    l2_done [m-blocks]    L2 column blocks finished; the block that completes an m-block
+                          releases the combine flags of its rows (one system-scope release per
+                          row, not one per row and column block)
 
 Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
@@ -75,7 +78,7 @@ def l1_kernel(
             # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so
             # they only spoil their own (never stored) output rows.
             a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-            wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[None, :].to(tl.int64) * H + kk[:, None]
+            wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
             wu_ptrs = wg_ptrs + I * H
             acc_g = tl.zeros([BM, BN], dtype=tl.float32)
             acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -86,8 +89,8 @@ def l1_kernel(
                     u = w_desc.load([e * 2 * I + I + nb * BN, k0]).T
                 else:
                     a = tl.load(a_ptrs)
-                    g = tl.load(wg_ptrs)
-                    u = tl.load(wu_ptrs)
+                    g = tl.load(wg_ptrs).T
+                    u = tl.load(wu_ptrs).T
                 # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584)
                 # and truncates when casting back to bf16 (to_bf16 fixes that)
                 if UPCAST:
@@ -113,7 +116,7 @@ def l1_kernel(
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
     max_spins,
-    off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done,
+    off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
     H, I, E_LOC, T_MAX, NB1, P,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -129,6 +132,7 @@ def l2_kernel(
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     expert_count = peer_ptr(table, rank, off_expert_count, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
+    l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     if USE_TMA:
@@ -154,7 +158,7 @@ def l2_kernel(
             cols = tl.arange(0, BN)
             n = nb * BN + cols
             a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
-            w_ptrs = w2 + e.to(tl.int64) * H * I + n[None, :].to(tl.int64) * I + kk[:, None]
+            w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(0, I, BK):
                 if USE_TMA:
@@ -162,7 +166,7 @@ def l2_kernel(
                     w = w_desc.load([e * H + nb * BN, k0]).T
                 else:
                     a = tl.load(a_ptrs)
-                    w = tl.load(w_ptrs)
+                    w = tl.load(w_ptrs).T
                 if UPCAST:
                     a = a.to(tl.float32)
                     w = w.to(tl.float32)
@@ -175,7 +179,11 @@ def l2_kernel(
             tk = (code % (T_MAX * K)).to(tl.int64)       # token * K + k on the source rank
             dst = peer_ptrs(table, src, off_combine_y + (tk * H + nb * BN) * 2, rv, tl.bfloat16)
             tl.store(dst[:, None] + cols[None, :], to_bf16(acc, UPCAST), mask=rv[:, None])
-            tl.debug_barrier()  # every row of the block lands before its flags are released
-            flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
-            tl.atomic_add(flags, 1, mask=rv, sem="release", scope="sys")
+            tl.debug_barrier()  # every thread's rows are stored before the count is released
+            done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope="sys")
+            if done == NB - 1:
+                # last column block of this m-block: every block's rows are visible (acquired
+                # above), so one release per row tells the token's rank its row is complete
+                flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
+                tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
         ticket += nprog
