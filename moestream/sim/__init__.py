@@ -1,0 +1,19 @@
+"""Discrete-event model of one expert-parallel MoE layer: token vs chunk streaming at scale.
+
+CPU only, numpy only (no torch). Entry points:
+
+- :func:`simulate` one call (shape, ranks, tokens, link, granularity) -> :class:`SimResult`;
+- :func:`compare` token granularity against chunk sizes on one routing -> :class:`Comparison`;
+- :class:`Calibration` (measured rates, JSON), :class:`Link` / :class:`Fabric` /
+  :func:`make_fabric` (the links between ranks);
+- ``moestream.sim.cli``: the ``moestream simulate`` command (``add_parser`` / ``run``).
+
+The model, its assumptions and the calibration schema are described in docs/simulator.md.
+"""
+from .calib import Calibration
+from .links import LINK_KINDS, Fabric, Link, make_fabric
+from .model import Comparison, SimResult, compare, simulate
+from .plan import make_routing, parse_granularity
+
+__all__ = ["simulate", "compare", "SimResult", "Comparison", "Calibration", "Link", "Fabric",
+           "make_fabric", "LINK_KINDS", "make_routing", "parse_granularity"]

@@ -1,0 +1,128 @@
+"""``moestream simulate``: token vs chunk streaming of one MoE layer, on the CPU.
+
+Wire it into the main command with ``add_parser(subparsers)`` (it sets ``func=run``), or run
+it alone: ``python -m moestream.sim.cli --shape dsv3 --ranks 64 --tokens 128 --link rdma``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from ..config import SHAPES
+
+__all__ = ["add_parser", "add_arguments", "run", "main", "parse_chunks"]
+
+_DESCRIPTION = (
+    "Discrete-event model of one expert-parallel MoE layer on R ranks: dispatch pulls at token "
+    "granularity or in chunks of C tokens, the L1/L2 GEMM blocks as their rows arrive, the "
+    "combine back. Prints layer time, link utilisation and overlap for token vs chunk "
+    "granularity. Model output, calibrated on a 2x H200 pair; not a measurement.")
+
+
+def parse_chunks(text: str, *, block_m: int) -> list[int | str]:
+    """``"64,256,expert"`` -> [64, 256, "expert"]; ``block_m`` stands for the config's block_m."""
+    from .plan import parse_granularity
+
+    out: list[int | str] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        if item == "block_m":
+            out.append(block_m)
+            continue
+        try:
+            g = parse_granularity(item)
+        except ValueError:
+            raise ValueError(f"--chunks items must be positive ints, 'block_m' or 'expert' "
+                             f"(token is always included), got {item!r}") from None
+        if g != "token":
+            out.append(g)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .links import LINK_KINDS
+
+    p.add_argument("--shape", default="dsv3", choices=sorted(SHAPES),
+                   help="model shape (routed experts), default dsv3")
+    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks R (default 8)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank T (default 128)")
+    p.add_argument("--link", default="nvlink", choices=LINK_KINDS,
+                   help="fabric: nvlink (device pulls), nvlink-copy (host-issued copies), "
+                        "rdma (8-GPU NVLink nodes + RDMA), nvl72 (72-GPU NVLink-5 racks + RDMA)")
+    p.add_argument("--chunks", default="block_m,256,expert",
+                   help="chunk granularities compared with token: ints (tokens per message), "
+                        "'block_m', 'expert' (default block_m,256,expert)")
+    p.add_argument("--comm-sms", type=int, default=16,
+                   help="SMs that issue transfers and reduce (the rest run GEMMs), default 16")
+    p.add_argument("--gemm", default="triton", choices=("triton", "torch", "dense"),
+                   help="GEMM rate: grouped-GEMM curve (triton, torch) or dense (default triton)")
+    p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
+                   help="uniform top-k, or skewed (hot expert 0 in a share skew*K of tokens)")
+    p.add_argument("--skew", type=float, default=0.3, help="hot-expert share for --routing skewed")
+    p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="NVLink domain size of the rdma fabric (default 8)")
+    p.add_argument("--dispatch-order", default="pool", choices=("pool", "source"),
+                   help="pull order: pool (expert by expert, Mega MoE) or source (rank by rank)")
+    p.add_argument("--calib", default=None, help="calibration JSON (default: packaged 2x H200)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also save a PNG of layer time vs granularity")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to a ``moestream`` argparse subparsers object; it sets
+    ``fn`` (and ``func``) to :func:`run`."""
+    p = subparsers.add_parser("simulate", help="discrete-event model: token vs chunk streaming",
+                              description=_DESCRIPTION)
+    add_arguments(p)
+    # the moestream command dispatches on args.fn; func is argparse's usual name
+    p.set_defaults(fn=run, func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison the arguments describe; print the table. Returns an exit status."""
+    from rich.console import Console
+
+    from ..config import MoEConfig
+    from .calib import Calibration
+    from .model import compare
+
+    console = Console()
+    try:
+        calib = Calibration.load(args.calib)
+        cfg = MoEConfig.from_shape(args.shape, max_tokens_per_rank=max(1, args.tokens))
+        chunks = parse_chunks(args.chunks, block_m=cfg.block_m)
+        cmp = compare(granularities=chunks, shape=args.shape, ranks=args.ranks,
+                      tokens_per_rank=args.tokens, link=args.link, comm_sms=args.comm_sms,
+                      calib=calib, gemm=args.gemm, routing=args.routing, skew=args.skew,
+                      seed=args.seed, dispatch_order=args.dispatch_order,
+                      gpus_per_node=args.gpus_per_node)
+    except ValueError as exc:
+        print(f"moestream simulate: error: {exc}", file=sys.stderr)
+        return 2
+    console.print(cmp.to_table())
+    console.print(cmp.footer())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(cmp.to_dict(), f, indent=1)
+        console.print(f"rows written to {args.json}")
+    if args.plot:
+        cmp.plot(args.plot)
+        console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moestream.sim.cli", description=_DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

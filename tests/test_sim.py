@@ -1,0 +1,543 @@
+"""Tests of moestream.sim: calibration, conservation, monotonicity, analytic limits, the event
+engine against the vectorised one, the seed's token-vs-chunk predictions, the CLI."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moestream.config import MoEConfig
+from moestream.schedule import Phase, build_schedule
+from moestream.sim import (Calibration, Fabric, Link, compare, make_fabric, make_routing,
+                           simulate)
+from moestream.sim.cli import main as cli_main
+from moestream.sim.cli import parse_chunks
+from moestream.sim.engine import run_plan
+from moestream.sim.events import run_events
+from moestream.sim.plan import build_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+CAL = Calibration.load()
+INF = math.inf
+
+
+def inf_link(name: str = "inf") -> Link:
+    return Link(name, gbps=INF)
+
+
+def infinite_fabric() -> Fabric:
+    """Every transfer (remote, local copy, reduce read) takes no time."""
+    return Fabric("infinite", intra=inf_link(), local=inf_link("local"))
+
+
+def small_config(**kw) -> MoEConfig:
+    base = dict(hidden=256, intermediate=256, num_experts=8, top_k=2, max_tokens_per_rank=64,
+                block_m=16, block_n=64)
+    return MoEConfig(**{**base, **kw})
+
+
+# ---- calibration --------------------------------------------------------------------------------
+def test_packaged_calibration_holds_the_measured_figures():
+    c = CAL
+    assert c.num_sms == 132 and c.dense_bf16_tflops == 728 and c.hbm_copy_tbps == 4.0
+    assert c.grouped_tokens_per_expert == (16, 128, 512, 2048)
+    assert c.grouped_tflops["torch"] == (44, 403, 696, 673)
+    assert c.grouped_tflops["triton"] == (62, 441, 563, 532)
+    assert c.device_pull_peer_gbps == 354 and c.device_pull_local_gbps == 1630
+    assert c.flag_round_trip_us == 2.6
+    assert [round(b / 7168) for b in c.host_copy_bytes] == [1, 8, 64, 512, 4096, 32768]
+    assert Calibration.from_dict(c.to_dict()) == c
+    assert Calibration.load(c.path) == c
+
+
+def test_gemm_rate_reproduces_the_measured_points_and_the_weight_roofline():
+    for prov in ("torch", "triton"):
+        pts = np.array(CAL.grouped_tokens_per_expert)
+        assert np.array_equal(CAL.gemm_tflops(pts, provider=prov), CAL.grouped_tflops[prov])
+        # below the first point the GEMM takes the first point's time (weight bound)
+        r16 = CAL.grouped_tflops[prov][0]
+        assert CAL.gemm_tflops(4, provider=prov) == pytest.approx(r16 / 4)
+        assert CAL.gemm_tflops(8192, provider=prov) == CAL.grouped_tflops[prov][-1]
+        m = np.arange(1, 4096)
+        rate = CAL.gemm_tflops(m, provider=prov)
+        assert np.all(rate <= m * CAL.hbm_copy_tbps + 1e-9)   # never beats weight streaming
+        assert np.all(np.diff(rate[:511]) >= 0)               # rises up to 512 rows
+    assert np.all(CAL.gemm_tflops([1, 100, 5000], provider="dense") == 728)
+    with pytest.raises(ValueError, match="unknown GEMM provider 'cutlass'"):
+        CAL.gemm_tflops(16, provider="cutlass")
+
+
+def test_host_copy_model_fits_every_measured_copy():
+    startup, gbps = CAL.host_copy_model()
+    assert 5 < startup < 10 and gbps == 364
+    for b, g in zip(CAL.host_copy_bytes, CAL.host_copy_gbps):
+        measured = b / (g * 1e3)
+        assert abs((startup + b / (gbps * 1e3)) / measured - 1) < 0.35
+
+
+def test_calibration_errors_name_the_bad_key(tmp_path):
+    d = CAL.to_dict()
+    del d["flag_round_trip_us"]
+    with pytest.raises(ValueError, match="missing the key 'flag_round_trip_us'"):
+        Calibration.from_dict(d)
+    d = CAL.to_dict()
+    d["grouped_gemm"]["tokens_per_expert"] = [128, 16, 512, 2048]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        Calibration.from_dict(d)
+    d = CAL.to_dict()
+    d["dense_bf16_tflops"] = -1
+    with pytest.raises(ValueError, match="dense_bf16_tflops must be a positive number"):
+        Calibration.from_dict(d)
+    with pytest.raises(ValueError, match="schema"):
+        Calibration.from_dict({**CAL.to_dict(), "schema": "other/2"})
+    with pytest.raises(ValueError, match="does not exist"):
+        Calibration.load(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Calibration.load(bad)
+
+
+# ---- links and input checks ---------------------------------------------------------------------
+def test_links_and_fabrics():
+    nv = make_fabric("nvlink", calib=CAL)
+    assert nv.intra.gbps == 354 and nv.intra.startup_us == 0 and nv.intra.latency_us == 1.3
+    assert nv.setup_us(8) == pytest.approx(2.6)          # the measured flag round trip
+    rd = make_fabric("rdma", calib=CAL)
+    assert rd.inter.gbps == 50 and 3 <= rd.inter.startup_us <= 5 and rd.domain_size == 8
+    cls = rd.link_class(np.array([0, 0, 0]), np.array([0, 7, 8]))
+    assert cls.tolist() == [0, 1, 2]
+    assert rd.classes_between(8) == [1] and rd.classes_between(9) == [1, 2]
+    n72 = make_fabric("nvl72", calib=CAL)
+    assert 650 < n72.intra.gbps < 750 and n72.domain_size == 72
+    # a request window binds only for small messages
+    link = nv.intra
+    small, big = link.occupancy_us(1024, comm_sms=1), link.occupancy_us(1 << 20, comm_sms=1)
+    assert small == pytest.approx((link.service_us(1024) + 1.3) / 4)
+    assert big == pytest.approx(link.service_us(1 << 20))
+    with pytest.raises(ValueError, match="unknown link kind 'ib'"):
+        make_fabric("ib", calib=CAL)
+    with pytest.raises(ValueError, match="gbps must be > 0"):
+        Link("x", gbps=0)
+    with pytest.raises(ValueError, match="startup_us must be a finite number >= 0"):
+        Link("x", gbps=1, startup_us=-1)
+    with pytest.raises(ValueError, match="give both inter and domain_size"):
+        Fabric("x", intra=inf_link(), local=inf_link(), domain_size=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(granularity="chunk"), "granularity must be 'token', 'expert' or a positive int"),
+    (dict(granularity=0), "granularity must be"),
+    (dict(comm_sms=132), r"comm_sms must be an int in \[0, 132\)"),
+    (dict(comm_sms=0), "comm_sms must be >= 1"),
+    (dict(link="pcie"), "unknown link kind 'pcie'"),
+    (dict(gemm="cublas"), "unknown GEMM provider 'cublas'"),
+    (dict(routing="zipf"), "routing must be 'uniform', 'skewed'"),
+    (dict(routing=np.zeros((2, 3, 8), dtype=np.int32)), r"routing array must be \[ranks=8"),
+    (dict(ranks=7), "must be divisible by the number of ranks"),
+    (dict(tokens_per_rank=0), "positive int"),
+    (dict(dispatch_order="random"), "dispatch_order must be 'pool' or 'source'"),
+    (dict(config=small_config()), "give exactly one of shape="),
+])
+def test_bad_input_is_a_value_error_naming_what_is_allowed(kwargs, match):
+    args = dict(shape="dsv3", ranks=8, tokens_per_rank=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        simulate(**args)
+
+
+def test_routing_generator():
+    r = make_routing(ranks=4, tokens_per_rank=300, num_experts=256, top_k=8, seed=3)
+    assert r.shape == (4, 300, 8) and r.min() >= 0 and r.max() < 256
+    srt = np.sort(r, axis=2)
+    assert not (srt[..., 1:] == srt[..., :-1]).any()           # K distinct experts per token
+    assert np.array_equal(r, make_routing(ranks=4, tokens_per_rank=300, num_experts=256,
+                                          top_k=8, seed=3))
+    s = make_routing(ranks=4, tokens_per_rank=300, num_experts=8, top_k=2, kind="skewed",
+                     skew=0.3, seed=1)
+    share = (s == 0).mean() * 2                                  # share of tokens with expert 0
+    assert 0.6 < share < 0.8 and not (np.sort(s, 2)[..., 1] == np.sort(s, 2)[..., 0]).any()
+
+
+# ---- the plan follows moestream.schedule --------------------------------------------------------
+def test_blocks_and_ticket_order_match_the_reference_scheduler():
+    cfg = small_config(num_experts=8, top_k=3, block_m=16, block_n=64)
+    R, T = 4, 40
+    rt = make_routing(ranks=R, tokens_per_rank=T, num_experts=8, top_k=3, seed=5)
+    rt[0, 3, 1] = -1
+    cal = replace(CAL, num_sms=10)
+    plan = build_plan(config=cfg, routing=rt, fabric=make_fabric("nvlink", calib=cal),
+                      granularity="token", comm_sms=2, calib=cal, gemm="triton")
+    sched = build_schedule(rt.tolist(), num_experts=8, block_m=16, n_blocks_l1=cfg.l1_n_blocks,
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=plan.compute_sms)
+    for d in range(R):
+        mine = np.flatnonzero(plan.blk_rank == d)
+        off = mine.min()
+        bs = np.searchsorted(plan.blk_expert[mine] % 2, np.arange(3))
+        assert bs.tolist() == sched.plans[d].block_start
+        assert plan.blk_valid[mine].tolist() == [sched.block_valid_m(d, int(b - off))
+                                                 for b in mine]
+        # ticket order: schedule's L1/L2 tickets, n-blocks folded into batches
+        batches = []
+        for t in sched.rank_order(d):
+            if t.phase in (Phase.L1, Phase.L2) and t.n_block == 0:
+                batches.append((1 if t.phase == Phase.L1 else 2, t.m_block))
+        L = plan.seq_len[d]
+        assert list(zip(plan.seq_phase[d, :L].tolist(),
+                        (plan.seq_block[d, :L] - off).tolist())) == batches
+    # every pick lands in the block the reference pool puts it in
+    for p in range(plan.num_picks):
+        s, rest = divmod(int(plan.pick_flat[p]), T * 3)
+        t, k = divmod(rest, 3)
+        owner, row = sched.pick_row[(s, t, k)]
+        off = np.flatnonzero(plan.blk_rank == owner).min()
+        assert plan.pick_block[p] - off == row // 16
+
+
+# ---- conservation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("granularity", ["token", 5, 64, "expert"])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_every_byte_sent_is_received(granularity, routing):
+    R, T = 16, 48
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=T)
+    rt = make_routing(ranks=R, tokens_per_rank=T, num_experts=128, top_k=8, kind=routing, seed=2)
+    rt[1, :5, 0] = -1                                         # some tokens drop a pick
+    res = simulate(config=cfg, ranks=R, tokens_per_rank=T, link="rdma", gpus_per_node=4,
+                   granularity=granularity, routing=rt)
+    tb = cfg.hidden * 2
+    owner = np.where(rt >= 0, rt // (128 // R), -1)
+    src = np.broadcast_to(np.arange(R)[:, None, None], rt.shape)
+    remote = (owner >= 0) & (owner != src)
+    out_picks = remote.sum(axis=(1, 2))                       # my tokens' picks elsewhere
+    in_picks = np.bincount(owner[remote], minlength=R)        # others' picks of my experts
+    tr = res.traffic
+    assert np.array_equal(tr["dispatch_sent"], out_picks * tb)
+    assert np.array_equal(tr["dispatch_received"], in_picks * tb)
+    assert np.array_equal(tr["combine_sent"], in_picks * tb)
+    assert np.array_equal(tr["combine_received"], out_picks * tb)
+    assert np.array_equal(res.bytes_sent, (out_picks + in_picks) * tb)
+    assert np.array_equal(res.bytes_received, (out_picks + in_picks) * tb)
+    assert res.bytes_sent.sum() == res.bytes_received.sum()
+    assert sum(res.bytes_by_class.values()) == res.bytes_sent.sum()
+    local = (owner >= 0) & (owner == src)
+    assert np.array_equal(res.local_bytes, local.sum(axis=(1, 2)) * tb)
+    expect_msgs = {"token": remote.sum()}.get(granularity)
+    if expect_msgs is not None:
+        assert res.messages["dispatch"] == expect_msgs
+
+
+def test_token_is_chunk_of_one():
+    a = simulate(shape="qwen3", ranks=16, tokens_per_rank=64, link="rdma", gpus_per_node=4)
+    b = simulate(shape="qwen3", ranks=16, tokens_per_rank=64, link="rdma", gpus_per_node=4,
+                 granularity=1)
+    assert a.layer_us == b.layer_us and np.array_equal(a.rank_end_us, b.rank_end_us)
+
+
+# ---- the two engines agree ----------------------------------------------------------------------
+LINK_CHOICES = ["nvlink", "nvlink-copy", "rdma", "window", "mixed"]
+
+
+def _fabric(kind: str, cal: Calibration) -> Fabric:
+    if kind == "window":     # a request window that binds: small messages, long latency
+        link = Link("win", gbps=100, latency_us=5, outstanding_per_sm=1)
+        return Fabric("window", intra=link, local=Link("local", gbps=1000))
+    if kind == "mixed":
+        return Fabric("mixed", intra=Link("a", gbps=200, startup_us=0.5, latency_us=1),
+                      local=Link("local", gbps=900), inter=Link("b", gbps=20, startup_us=3,
+                                                                   latency_us=2,
+                                                                   outstanding_per_sm=2),
+                      domain_size=2)
+    return make_fabric(kind, calib=cal, gpus_per_node=2)
+
+
+@st.composite
+def small_cases(draw):
+    R = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    E = R * draw(st.integers(1, 3))
+    K = draw(st.integers(1, min(4, E)))
+    T = draw(st.integers(1, 40))
+    cfg = MoEConfig(hidden=draw(st.sampled_from([128, 256])),
+                    intermediate=draw(st.sampled_from([128, 256])), num_experts=E, top_k=K,
+                    max_tokens_per_rank=T, block_m=draw(st.sampled_from([16, 32])),
+                    block_n=draw(st.sampled_from([32, 64, 128])))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    rt = rng.integers(-1, E, size=(R, T, K)).astype(np.int32)   # repeats and drops allowed
+    g = draw(st.sampled_from(["token", "expert", 1, 3, 16, 40]))
+    return dict(cfg=cfg, rt=rt, g=g, link=draw(st.sampled_from(LINK_CHOICES)),
+                comm=draw(st.integers(1, 3)), sms=draw(st.integers(5, 9)),
+                gemm=draw(st.sampled_from(["triton", "torch", "dense"])),
+                order=draw(st.sampled_from(["pool", "source"])))
+
+
+def _plan(case, *, fabric=None, cal=None):
+    cal = cal or replace(CAL, num_sms=case["sms"])
+    return build_plan(config=case["cfg"], routing=case["rt"],
+                      fabric=fabric or _fabric(case["link"], cal), granularity=case["g"],
+                      comm_sms=case["comm"], calib=cal, gemm=case["gemm"],
+                      dispatch_order=case["order"])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_cases())
+def test_conservation_on_random_calls(case):
+    plan = _plan(case)
+    tl, _ = run_plan(plan)
+    rt, cfg = case["rt"], case["cfg"]
+    R = rt.shape[0]
+    owner = np.where(rt >= 0, rt // (cfg.num_experts // R), -1)
+    src = np.broadcast_to(np.arange(R)[:, None, None], rt.shape)
+    remote = (owner >= 0) & (owner != src)
+    tb = cfg.hidden * 2
+    in_bytes = np.bincount(owner[remote], minlength=R) * tb
+    out_bytes = remote.sum(axis=(1, 2)) * tb
+    assert np.array_equal(tl.recv_dispatch, in_bytes)         # what the ports delivered
+    assert np.array_equal(tl.sent_combine, in_bytes)
+    landed = np.isfinite(tl.comb_arrival)
+    assert np.array_equal(landed, plan.msg_cls != 0)
+    assert np.array_equal(np.bincount(plan.msg_src[landed], weights=plan.msg_bytes[landed],
+                                      minlength=R), out_bytes)
+    assert plan.msg_rows.sum() == (rt >= 0).sum()              # every pick in one message
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_cases())
+def test_event_queue_and_vectorised_engine_agree(case):
+    plan = _plan(case)
+    tl, _ = run_plan(plan)
+    ev = run_events(plan)
+    for name in ("disp_arrival", "l1_ready", "l1_end", "l2_end", "comb_start", "comb_arrival",
+                 "token_ready", "reduce_end", "rank_end"):
+        np.testing.assert_allclose(getattr(ev, name), getattr(tl, name), rtol=1e-9, atol=1e-9,
+                                   err_msg=name)
+
+
+def test_engines_agree_on_a_real_shape():
+    cal = CAL
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=24)
+    rt = make_routing(ranks=8, tokens_per_rank=24, num_experts=128, top_k=8, seed=4)
+    for g in ("token", 64, "expert"):
+        plan = build_plan(config=cfg, routing=rt, fabric=make_fabric("rdma", calib=cal,
+                                                                     gpus_per_node=4),
+                          granularity=g, comm_sms=16, calib=cal, gemm="triton")
+        tl, _ = run_plan(plan)
+        ev = run_events(plan)
+        assert ev.events > 1000
+        np.testing.assert_allclose(ev.rank_end, tl.rank_end, rtol=1e-9)
+        np.testing.assert_allclose(ev.l2_end, tl.l2_end, rtol=1e-9)
+
+
+# ---- monotonicity -------------------------------------------------------------------------------
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_cases(), st.floats(1.0, 8.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+       st.floats(0.1, 5.0), st.floats(0.0, 6.0), st.floats(0.0, 4.0),
+       st.sampled_from([None, 1, 4]))
+def test_more_bandwidth_or_less_startup_is_never_slower(case, bw_gain, startup_cut, lat_cut,
+                                                        gbps, startup, latency, window):
+    cal = replace(CAL, num_sms=case["sms"])
+    slow_l = Link("x", gbps=gbps, startup_us=startup, latency_us=latency,
+                  outstanding_per_sm=window)
+    fast_l = Link("x", gbps=gbps * bw_gain, startup_us=startup * startup_cut,
+                  latency_us=latency * lat_cut, outstanding_per_sm=window)
+    local = Link("local", gbps=50 * gbps)
+    slow = Fabric("f", intra=slow_l, local=local, inter=replace(slow_l, gbps=gbps / 3),
+                  domain_size=2)
+    fast = Fabric("f", intra=fast_l, local=replace(local, gbps=local.gbps * bw_gain),
+                  inter=replace(fast_l, gbps=fast_l.gbps / 3), domain_size=2)
+    t_slow = run_plan(_plan(case, fabric=slow, cal=cal))[0].rank_end.max()
+    t_fast = run_plan(_plan(case, fabric=fast, cal=cal))[0].rank_end.max()
+    assert t_fast <= t_slow * (1 + 1e-12) + 1e-12
+
+
+@pytest.mark.parametrize("g", ["token", 64, "expert"])
+def test_doubling_rdma_bandwidth_is_not_slower_at_scale(g):
+    base = make_fabric("rdma", calib=CAL)
+    faster = replace(base, inter=replace(base.inter, gbps=2 * base.inter.gbps))
+    a = simulate(shape="dsv3", ranks=32, tokens_per_rank=64, link=base, granularity=g)
+    b = simulate(shape="dsv3", ranks=32, tokens_per_rank=64, link=faster, granularity=g)
+    assert b.layer_us <= a.layer_us
+    lazier = replace(base, inter=replace(base.inter, startup_us=10.0))
+    assert simulate(shape="dsv3", ranks=32, tokens_per_rank=64, link=lazier,
+                    granularity=g).layer_us >= a.layer_us
+
+
+# ---- analytic limits ----------------------------------------------------------------------------
+@pytest.mark.parametrize("gemm", ["triton", "torch"])
+@pytest.mark.parametrize("g", ["token", 32, "expert"])
+def test_pure_compute_one_sm_is_the_sum_of_the_rate_curve(gemm, g):
+    """Infinite link, one compute SM: the layer is each rank's GEMM FLOPs over the model's
+    per-SM rate at each expert's row count, summed by hand."""
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=40)
+    R = 8
+    cal = replace(CAL, num_sms=3)
+    rt = make_routing(ranks=R, tokens_per_rank=40, num_experts=128, top_k=8, seed=11)
+    res = simulate(config=cfg, ranks=R, link=infinite_fabric(), granularity=g, comm_sms=2,
+                   calib=cal, gemm=gemm, routing=rt)
+    counts = np.bincount(rt.ravel(), minlength=128)
+    per_sm = cal.gemm_tflops(counts, provider=gemm) * 1e6 / cal.num_sms      # FLOP/µs on one SM
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t_expert = np.where(counts > 0, 6.0 * counts * cfg.hidden * cfg.intermediate / per_sm, 0)
+    by_hand = t_expert.reshape(R, -1).sum(axis=1)          # each rank's GEMMs, back to back
+    assert res.layer_us == pytest.approx(by_hand.max(), rel=1e-9)
+    assert res.compute_floor_us == pytest.approx(by_hand.max(), rel=1e-9)
+    assert res.overlap == 1.0 and res.phases["setup_us"] == 0
+    plan = build_plan(config=cfg, routing=rt, fabric=infinite_fabric(), granularity=g,
+                      comm_sms=2, calib=cal, gemm=gemm)
+    tl, _ = run_plan(plan)
+    np.testing.assert_allclose(tl.gemm_last, by_hand, rtol=1e-9)
+    # a rank ends when its tokens' rows are back from the slowest expert they picked
+    assert np.all(tl.rank_end >= tl.gemm_last)
+
+
+def test_pure_compute_packed_sms_is_total_flops_over_the_dense_rate():
+    """Four compute SMs and batches of four n-blocks: the SMs never idle, so the layer is the
+    rank's FLOPs over 4/num_sms of the dense rate."""
+    R, T, K = 2, 64, 2
+    cfg = MoEConfig(hidden=512, intermediate=512, num_experts=4, top_k=K,
+                    max_tokens_per_rank=T, block_m=16, block_n=128)
+    t = np.arange(T)
+    rt = np.stack([np.stack([t % 4, (t + 1) % 4], axis=1)] * R).astype(np.int32)
+    cal = replace(CAL, num_sms=5)
+    res = simulate(config=cfg, ranks=R, link=infinite_fabric(), comm_sms=1, calib=cal,
+                   gemm="dense", routing=rt)
+    flops = 6.0 * T * K * cfg.hidden * cfg.intermediate        # per rank (balanced)
+    by_hand = flops / (728e6 * 4 / 5)
+    assert res.layer_us == pytest.approx(by_hand, rel=1e-12)
+    assert res.compute_floor_us == pytest.approx(by_hand, rel=1e-12)
+
+
+PURE = [("token", [1] * 48), (20, [20, 20, 8]), (7, [7] * 6 + [6]), ("expert", [48])]
+
+
+@pytest.mark.parametrize("g, sizes", PURE)
+@pytest.mark.parametrize("window", [None, 2])
+def test_pure_transfer_is_the_message_arithmetic(g, sizes, window):
+    """Infinite compute, one expert per rank, every pick remote and one GEMM block: dispatch
+    then combine of the same messages, each ``startup + bytes / bw``, plus setup and flight."""
+    cfg = MoEConfig(hidden=1024, intermediate=256, num_experts=2, top_k=1,
+                    max_tokens_per_rank=48, block_m=64)
+    rt = np.stack([np.ones((48, 1)), np.zeros((48, 1))]).astype(np.int32)   # to the other rank
+    alpha, gbps, lat = (0.0, 40.0, 1.5) if window else (3.0, 50.0, 2.0)
+    link = Link("l", gbps=gbps, startup_us=alpha, latency_us=lat, outstanding_per_sm=window)
+    fabric = Fabric("f", intra=link, local=inf_link("local"))
+    cal = replace(CAL, dense_bf16_tflops=INF)
+    res = simulate(config=cfg, ranks=2, link=fabric, granularity=g, comm_sms=1, calib=cal,
+                   gemm="dense", routing=rt)
+    s = [alpha + n * 2048 / (gbps * 1e3) for n in sizes]
+    occ = [max(x, (x + lat) / window) if window else x for x in s]
+    one_way = sum(occ[:-1]) + s[-1] + lat                      # last message lands
+    by_hand = 2 * (alpha + lat) + 2 * one_way
+    assert res.layer_us == pytest.approx(by_hand, rel=1e-12)
+    assert res.messages["dispatch"] == 2 * len(sizes)
+    assert res.phases["gemm_busy_us"] == 0
+
+
+def test_pure_transfer_of_a_real_shape_equals_the_link_arithmetic():
+    """dsv3 over RDMA with infinite compute: every remote message is token-sized, so the
+    slowest rank's dispatch ends at setup + n_in * (alpha + b/beta) + latency."""
+    cal = replace(CAL, grouped_tflops={"triton": (INF,) * 4})
+    res = simulate(shape="dsv3", ranks=16, tokens_per_rank=32, link="rdma", calib=cal,
+                   gemm="triton")
+    rt = make_routing(ranks=16, tokens_per_rank=32, num_experts=256, top_k=8)
+    owner = rt // 16
+    src = np.arange(16)[:, None, None]
+    inter = (owner // 8) != (src // 8)
+    n_in = np.bincount(owner[inter], minlength=16)
+    s = 4.0 + 7168 * 2 / 50e3
+    c = res.critical_rank
+    assert res.phases["dispatch_us"] == pytest.approx(12.0 + n_in[c] * s + 2.0, rel=1e-12)
+    assert res.compute_floor_us == 0 and res.phases["gemm_busy_us"] == 0
+
+
+# ---- what the seed predicts ---------------------------------------------------------------------
+@pytest.mark.parametrize("shape, ranks, tokens", [("dsv3", 8, 32), ("dsv3", 8, 512),
+                                                  ("v4flash", 8, 128), ("dsv3", 64, 128)])
+def test_device_pulls_on_nvlink_need_no_chunks(shape, ranks, tokens):
+    """NVLink pulls issued by SMs have no per-message start-up: chunking only delays the
+    GEMMs, so token granularity is never slower."""
+    cmp = compare(shape=shape, ranks=ranks, tokens_per_rank=tokens, link="nvlink",
+                  granularities=(64, 256, "expert"))
+    tok = cmp.token.layer_us
+    for r in cmp.results[1:]:
+        assert tok <= r.layer_us * (1 + 1e-9), (r.label, tok, r.layer_us)
+
+
+@pytest.mark.parametrize("shape, link, ranks", [("qwen3", "nvlink-copy", 8),
+                                                ("qwen3", "rdma", 32), ("dsv3", "rdma", 64)])
+def test_start_up_cost_makes_chunks_win_for_small_messages(shape, link, ranks):
+    cmp = compare(shape=shape, ranks=ranks, tokens_per_rank=128, link=link,
+                  granularities=(64,))
+    tok, chunk = cmp.results
+    assert chunk.layer_us * 2 < tok.layer_us
+    assert chunk.link_util_max > tok.link_util_max
+
+
+def test_whole_expert_waits_hide_less_of_the_transfer():
+    cmp = compare(shape="dsv3", ranks=8, tokens_per_rank=2048, link="nvlink",
+                  granularities=("expert",))
+    tok, exp = cmp.results
+    assert tok.overlap > exp.overlap and tok.layer_us < exp.layer_us
+
+
+def test_large_scale_runs():
+    res = simulate(shape="dsv3", ranks=256, tokens_per_rank=64, link="nvl72", granularity=64)
+    assert res.layer_us > 0 and res.rank_end_us.shape == (256,)
+    assert set(res.link_util) == {"intra", "inter"}
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def test_acceptance_command_runs_under_ten_seconds():
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "moestream.sim.cli", "--shape", "dsv3",
+                          "--ranks", "64", "--tokens", "128", "--link", "rdma"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"})
+    wall = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr
+    assert wall < 10, wall
+    bm = MoEConfig.from_shape("dsv3", max_tokens_per_rank=128).block_m
+    for word in ("granularity", "layer us", "link util", "overlap", "vs token", "token",
+                 f"C={bm}", "C=256", "expert"):
+        assert word in out.stdout
+
+
+def test_cli_writes_json_and_plot(tmp_path, capsys):
+    js, png = tmp_path / "o.json", tmp_path / "o.png"
+    rc = cli_main(["--shape", "qwen3", "--ranks", "8", "--tokens", "64", "--chunks",
+                   "block_m,32", "--json", str(js), "--plot", str(png)])
+    assert rc == 0
+    rows = json.loads(js.read_text())["rows"]
+    bm = MoEConfig.from_shape("qwen3", max_tokens_per_rank=64).block_m
+    assert [r["granularity"] for r in rows] == ["token", f"C={bm}", "C=32"]
+    assert rows[0]["vs_token"] == 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "C=32" in capsys.readouterr().out
+
+
+def test_cli_reports_bad_input(capsys):
+    assert cli_main(["--ranks", "3"]) == 2
+    assert "divisible" in capsys.readouterr().err
+    assert cli_main(["--chunks", "64,big"]) == 2
+    assert "--chunks items must be" in capsys.readouterr().err
+    assert parse_chunks("block_m, 256,token,expert", block_m=64) == [64, 256, "expert"]
+
+
+def test_add_parser_wires_a_subcommand():
+    import argparse
+
+    from moestream.sim.cli import add_parser, run
+
+    p = argparse.ArgumentParser(prog="moestream")
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["simulate", "--ranks", "16", "--link", "nvl72"])
+    assert args.fn is run and args.func is run and args.ranks == 16 and args.link == "nvl72"
