@@ -40,15 +40,12 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
         **{"use_tma": True, "wait": False, **kw}))
 
 
-# Names: m<block_m>, then each GEMM's n/k tile, warps and stages. "layer-default" is what
-# Tuning.for_buffer picks for block_m 128 (the config default); earlier sweeps in
-# benchmarks/NOTES.md.
+# Variants of the sweep recorded in benchmarks/NOTES.md (earlier sweeps there too).
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     _v("layer-default", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
-    _v("layer-default+wait", 128, (128, 64, 8, 3), (64, 64, 4, 4), wait=True),
-    _v("layer-default-pointers", 128, (128, 64, 8, 3), (64, 64, 4, 4), use_tma=False),
-    _v("m128-l2k128w4s3", 128, (128, 64, 8, 4), (64, 128, 4, 3)),
-    _v("m64-n128k64-w4s4", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
+    _v("l1w8s4", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
+    _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
 ]}
 
 

@@ -11,7 +11,8 @@ calls, since every call waits for every peer's ready flag of that call):
     workspace  epoch, ready, diag             control words (local epoch, published epoch,
                                               first stall's diagnostic)
                num_tokens [2], send_counts [2, E]   published with the inputs (peers read)
-               expert_count, block_start, src_row   this rank's pool layout, computed on device
+               expert_count, block_start, src_row, block_meta   this rank's pool layout,
+                                                    computed on device every call
                arrival, l1_done, l2_done, combine_flag   counters, zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
@@ -107,6 +108,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("block_start", (e_loc + 1,), "int32", "first m-block of each local expert; last = total", False, False),
         ("src_row", (e_loc, num_ranks), "int32", "first pool row of each source inside each expert", False, False),
         ("src_tokens", (num_ranks,), "int32", "T of each source rank in this call", False, False),
+        ("block_meta", (n_mb,), "int32", "per m-block: local expert * 512 + valid_m", False, False),
         ("arrival", (n_mb,), "int32", "tokens arrived per pool m-block (dispatch -> L1)", True, False),
         ("l1_done", (n_mb,), "int32", "L1 column blocks finished per m-block (L1 -> L2)", True, False),
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),

@@ -8,7 +8,7 @@ run inside one persistent launch. Tests drive the stages one by one to inspect t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -38,6 +38,8 @@ class Tuning:
     use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere).
     wait: GEMM blocks acquire their input counters. Stream order already guarantees them in
         the staged path (``for_buffer`` turns them off on GPUs); tests keep them on.
+    done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
+        kernels/gemm.py; measured faster) or "sys".
     """
 
     programs: int = 0
@@ -53,6 +55,7 @@ class Tuning:
     l2_block_k: int | None = None
     use_tma: bool | None = None
     wait: bool = True
+    done_scope: str = "gpu"
 
     @classmethod
     def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
@@ -66,6 +69,23 @@ class Tuning:
                        l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                    l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
+
+    @classmethod
+    def for_call(cls, buffer: SymmBuffer, tokens: int) -> "Tuning":
+        """``for_buffer``, with L1 column blocks narrowed when a call touches so few experts
+        that 128-wide blocks leave SMs idle (decode: each block then streams its weights
+        alone). ``tokens``: the most tokens any local rank passes in this call."""
+        t = cls.for_buffer(buffer)
+        sms = _constants(buffer).sms
+        if not sms:
+            return t
+        cfg = buffer.config
+        # under uniform routing a rank receives about tokens * top_k picks
+        touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
+        bn = t.l1_tile(cfg)[0]
+        while bn > 32 and touched * (cfg.intermediate // bn) < sms:
+            bn //= 2
+        return replace(t, l1_block_n=bn)
 
     def l1_tile(self, cfg) -> tuple[int, int]:
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
@@ -175,8 +195,8 @@ def layout(buffer: SymmBuffer) -> None:
         buffer.table, buffer.rank0, buffer.max_spins,
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
-        off["off_src_row"], off["off_src_tokens"],
-        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD)
+        off["off_src_row"], off["off_src_tokens"], off["off_block_meta"],
+        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256)
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -204,11 +224,11 @@ def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tun
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l1_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
-        off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
+        off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
         off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P,
-        BM=cfg.block_m, BN=bn, BK=bk, E_PAD=c.E_PAD, UPCAST=INTERPRET, USE_TMA=tma,
-        WAIT=tuning.wait, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+        BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
+        **_launch_kw(tuning.l1_warps, tuning.l1_stages))
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
@@ -221,13 +241,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuni
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l2_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
-        off["off_epoch"], off["off_diag"], off["off_expert_count"], off["off_block_start"],
+        off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
         off["off_combine_y"], off["off_combine_flag"],
         cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
         cfg.intermediate // tuning.l1_tile(cfg)[0], c.P,
-        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, E_PAD=c.E_PAD, UPCAST=INTERPRET,
-        USE_TMA=tma, WAIT=tuning.wait, **_launch_kw(tuning.l2_warps, tuning.l2_stages))
+        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
+        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope,
+        **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
@@ -252,7 +273,7 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
                w2s: Sequence[torch.Tensor], y: torch.Tensor, *,
                tuning: Tuning | None = None) -> None:
     """All stages for every local rank; y [local ranks, T_out, H] receives the outputs."""
-    tuning = tuning or Tuning.for_buffer(buffer)
+    tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     signal(buffer)

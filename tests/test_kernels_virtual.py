@@ -111,6 +111,13 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank):
             for mb in range(b0, b1):
                 assert int(arrival[mb]) == valid_m(int(lay.expert_count[d, e]), mb - b0, cfg.block_m)
         assert int(arrival[n_blocks:].abs().sum()) == 0
+        # each m-block's expert and valid rows, as the GEMM blocks read them
+        meta = buf.view("block_meta", d).cpu()[:n_blocks]
+        for e in range(e_loc):
+            b0, b1 = int(lay.block_start[d, e]), int(lay.block_start[d, e + 1])
+            for mb in range(b0, b1):
+                assert int(meta[mb]) >> 9 == e
+                assert int(meta[mb]) & 511 == int(arrival[mb])
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -284,7 +291,8 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(use_tma=False),                                     # pointer loads
     stages.Tuning(l1_block_n=32, l1_block_k=32, l2_block_n=128, l2_block_k=16),  # other tiles
     stages.Tuning(wait=False, programs=3),                            # stream order only
-], ids=["tma", "pointers", "tiles", "nowait"])
+    stages.Tuning(wait=False, done_scope="sys", use_tma=True),        # conservative L2 scope
+], ids=["tma", "pointers", "tiles", "nowait", "sys-scope"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]

@@ -120,10 +120,11 @@ def layout_device(table, rank, epoch, off_send_counts, off_num_tokens,
 def layout_kernel(
     table, rank0, max_spins,
     off_epoch, off_ready, off_diag, off_send_counts, off_num_tokens,
-    off_expert_count, off_block_start, off_src_row, off_src_tokens,
-    R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    off_expert_count, off_block_start, off_src_row, off_src_tokens, off_block_meta,
+    R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
 ):
-    """Wait for every peer's inputs of this call, then store this rank's pool layout."""
+    """Wait for every peer's inputs of this call, then store this rank's pool layout, and for
+    every m-block its expert and valid rows (so a GEMM block needs one load to find them)."""
     rank = rank0 + tl.program_id(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
     diag = peer_ptr(table, rank, off_diag, tl.int32)
@@ -145,6 +146,19 @@ def layout_kernel(
         tl.store(peer_ptr(table, rank, off_src_row, tl.int32) + e[:, None] * R + sv[None, :],
                  src_row_ES, mask=em[:, None] & (sv[None, :] < R))
         tl.store(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
+        block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
+        m_blocks = (expert_count + BM - 1) // BM
+        for ex in range(0, E_LOC):
+            sel = e == ex
+            b0 = tl.sum(tl.where(sel, block_start, 0), axis=0)
+            nb = tl.sum(tl.where(sel, m_blocks, 0), axis=0)
+            cnt = tl.sum(tl.where(sel, expert_count, 0), axis=0)
+            j = 0
+            while j < nb:
+                idx = j + tl.arange(0, BLOCK_META_CHUNK)
+                vm = tl.minimum(cnt - idx * BM, BM)
+                tl.store(block_meta + b0 + idx, ex * 512 + vm, mask=idx < nb)
+                j += BLOCK_META_CHUNK
 
 
 @triton.jit

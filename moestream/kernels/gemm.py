@@ -16,6 +16,9 @@ Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over 
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
 count reaches valid_m; an L2 block until all L1 column blocks of its m-block are done.
 Persistent: grid (programs, local ranks), tickets pid, pid + programs, ...
+A block finds its expert and valid rows in one load of block_meta (expert * 512 + valid_m,
+written by the layout step), and the next block's entry is loaded while this block computes,
+so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
@@ -23,21 +26,66 @@ from ._common import peer_ptr, peer_ptrs, tl, to_bf16, triton, wait_at_least
 
 
 @triton.jit
-def expert_of_block(block_start, mb, E_LOC, E_PAD: tl.constexpr):
-    """Local expert owning m-block ``mb``: how many experts end at or before it."""
-    e = tl.arange(0, E_PAD)
-    ends = tl.load(block_start + 1 + e, mask=e < E_LOC, other=2147483647)
-    return tl.sum((ends <= mb).to(tl.int32), axis=0)
+def block_meta_of(block_meta, ticket, total, NB):
+    """block_meta entry of the block of ``ticket`` (0 past the last ticket)."""
+    return tl.load(block_meta + ticket // NB, mask=ticket < total, other=0)
+
+
+@triton.jit
+def _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release."""
+    mb = ticket // NB
+    nb = ticket % NB
+    e = meta >> 9
+    vm = meta & 511
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so they only
+    # spoil their own (never stored) output rows.
+    a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
+    wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    wu_ptrs = wg_ptrs + I * H
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if USE_TMA:
+            a = a_desc.load([mb * BM, k0])
+            g = w_desc.load([e * 2 * I + nb * BN, k0]).T
+            u = w_desc.load([e * 2 * I + I + nb * BN, k0]).T
+        else:
+            a = tl.load(a_ptrs)
+            g = tl.load(wg_ptrs).T
+            u = tl.load(wu_ptrs).T
+        # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584) and
+        # truncates when casting back to bf16 (to_bf16 fixes that)
+        if UPCAST:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+    rv = tl.arange(0, BM) < vm
+    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
+    tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST), mask=rv[:, None])
+    tl.debug_barrier()  # all rows stored before the count is released
+    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
 
 
 @triton.jit
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
     max_spins,
-    off_epoch, off_diag, off_expert_count, off_block_start, off_arrival, off_l1_done,
+    off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -48,12 +96,14 @@ def l1_kernel(
     diag = peer_ptr(table, rank, off_diag, tl.int32)
     w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
-    expert_count = peer_ptr(table, rank, off_expert_count, tl.int32)
+    block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     arrival = peer_ptr(table, rank, off_arrival, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+    a_desc = 0
+    w_desc = 0
     if USE_TMA:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc = tl.make_tensor_descriptor(pool_x, shape=[P, H], strides=[H, 1],
                                            block_shape=[BM, BK])
@@ -63,64 +113,77 @@ def l1_kernel(
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
+    meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
-        mb = ticket // NB
-        nb = ticket % NB
-        e = expert_of_block(block_start, mb, E_LOC, E_PAD)
-        vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
+        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(arrival + mb, vm, diag, max_spins, 2, rank, mb, epoch, -1,
-                               SCOPE="gpu")
+            ok = wait_at_least(arrival + ticket // NB, meta & 511, diag, max_spins, 2, rank,
+                               ticket // NB, epoch, -1, SCOPE="gpu")
         if ok:
-            rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-            kk = tl.arange(0, BK)
-            n = nb * BN + tl.arange(0, BN)
-            # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so
-            # they only spoil their own (never stored) output rows.
-            a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-            wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-            wu_ptrs = wg_ptrs + I * H
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                if USE_TMA:
-                    a = a_desc.load([mb * BM, k0])
-                    g = w_desc.load([e * 2 * I + nb * BN, k0]).T
-                    u = w_desc.load([e * 2 * I + I + nb * BN, k0]).T
-                else:
-                    a = tl.load(a_ptrs)
-                    g = tl.load(wg_ptrs).T
-                    u = tl.load(wu_ptrs).T
-                # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584)
-                # and truncates when casting back to bf16 (to_bf16 fixes that)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    g = g.to(tl.float32)
-                    u = u.to(tl.float32)
-                acc_g = tl.dot(a, g, acc_g)
-                acc_u = tl.dot(a, u, acc_u)
-                a_ptrs += BK
-                wg_ptrs += BK
-                wu_ptrs += BK
-            rv = tl.arange(0, BM) < vm
-            w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
-            act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
-            tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
-                     mask=rv[:, None])
-            tl.debug_barrier()  # all rows stored before the count is released
-            tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+            _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
+                      H, I, BM, BN, BK, UPCAST, USE_TMA)
+        meta = meta_next
         ticket += nprog
+
+
+@triton.jit
+def _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
+              off_combine_y, off_combine_flag, H, I, T_MAX,
+              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr):
+    """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
+    that completes an m-block releases its rows' combine flags."""
+    mb = ticket // NB
+    nb = ticket % NB
+    e = meta >> 9
+    vm = meta & 511
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    cols = tl.arange(0, BN)
+    n = nb * BN + cols
+    a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
+    w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if USE_TMA:
+            a = a_desc.load([mb * BM, k0])
+            w = w_desc.load([e * H + nb * BN, k0]).T
+        else:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs).T
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    rv = tl.arange(0, BM) < vm
+    code = tl.load(pool_src + rows, mask=rv, other=0)
+    src = code // (T_MAX * K)
+    tk = (code % (T_MAX * K)).to(tl.int64)       # token * K + k on the source rank
+    dst = peer_ptrs(table, src, off_combine_y + (tk * H + nb * BN) * 2, rv, tl.bfloat16)
+    tl.store(dst[:, None] + cols[None, :], to_bf16(acc, UPCAST), mask=rv[:, None])
+    tl.debug_barrier()  # every thread's rows are stored before the count is released
+    # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU, the
+    # last one releases to the peers at system scope, and release is cumulative); "sys" is
+    # the conservative form.
+    done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
+    if done == NB - 1:
+        # last column block of this m-block: every block's rows are visible (acquired above),
+        # so one release per row tells the token's rank that its row is complete
+        flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
+        tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
 
 
 @triton.jit
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
     max_spins,
-    off_epoch, off_diag, off_expert_count, off_block_start, off_l1_done, off_l2_done,
+    off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
     H, I, E_LOC, T_MAX, NB1, P,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    E_PAD: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -130,11 +193,13 @@ def l2_kernel(
     diag = peer_ptr(table, rank, off_diag, tl.int32)
     w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
-    expert_count = peer_ptr(table, rank, off_expert_count, tl.int32)
+    block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
     l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    a_desc = 0
+    w_desc = 0
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(pool_act, shape=[P, I], strides=[I, 1],
                                            block_shape=[BM, BK])
@@ -144,46 +209,15 @@ def l2_kernel(
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
+    meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
-        mb = ticket // NB
-        nb = ticket % NB
-        e = expert_of_block(block_start, mb, E_LOC, E_PAD)
-        vm = tl.minimum(tl.load(expert_count + e) - (mb - tl.load(block_start + e)) * BM, BM)
+        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, 3, rank, mb, epoch, -1,
-                               SCOPE="gpu")
+            ok = wait_at_least(l1_done + ticket // NB, NB1, diag, max_spins, 3, rank,
+                               ticket // NB, epoch, -1, SCOPE="gpu")
         if ok:
-            rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-            kk = tl.arange(0, BK)
-            cols = tl.arange(0, BN)
-            n = nb * BN + cols
-            a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
-            w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                if USE_TMA:
-                    a = a_desc.load([mb * BM, k0])
-                    w = w_desc.load([e * H + nb * BN, k0]).T
-                else:
-                    a = tl.load(a_ptrs)
-                    w = tl.load(w_ptrs).T
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                acc = tl.dot(a, w, acc)
-                a_ptrs += BK
-                w_ptrs += BK
-            rv = tl.arange(0, BM) < vm
-            code = tl.load(pool_src + rows, mask=rv, other=0)
-            src = code // (T_MAX * K)
-            tk = (code % (T_MAX * K)).to(tl.int64)       # token * K + k on the source rank
-            dst = peer_ptrs(table, src, off_combine_y + (tk * H + nb * BN) * 2, rv, tl.bfloat16)
-            tl.store(dst[:, None] + cols[None, :], to_bf16(acc, UPCAST), mask=rv[:, None])
-            tl.debug_barrier()  # every thread's rows are stored before the count is released
-            done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope="sys")
-            if done == NB - 1:
-                # last column block of this m-block: every block's rows are visible (acquired
-                # above), so one release per row tells the token's rank its row is complete
-                flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
-                tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
+            _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
+                      off_combine_y, off_combine_flag, H, I, T_MAX, K, BM, BN, BK, UPCAST,
+                      USE_TMA, DONE_SCOPE)
+        meta = meta_next
         ticket += nprog
