@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,gemm,ep,epfull (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,ep (default env,test,gemm,ep)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -17,6 +17,9 @@ fi
 if has test; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m "gpu or multigpu" tests -p no:cacheprovider \
     --timeout 240 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+fi
+if has run; then
+  timeout ${RUN_TIMEOUT:-120} python3 -m moestream.cli run 2>&1 | tee "$OUT/run.log" | tail -15
 fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.cli bench --virtual-ranks 1 --shapes dsv3,qwen3 \
