@@ -42,8 +42,8 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
 
 # Variants of the sweep recorded in benchmarks/NOTES.md (earlier sweeps there too).
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
-    _v("layer-default", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
-    _v("l1w8s4", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
+    _v("layer-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
+    _v("l1w8s3", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
     _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
     _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
 ]}

@@ -43,10 +43,10 @@ class KernelStallError(RuntimeError):
 
 
 def _default_spins(device: torch.device) -> int:
-    # GPU: ~0.5-2 us per poll, so 2**23 polls is several seconds: far beyond any healthy wait.
+    # GPU: waits are bounded by time (timeout_s); the poll count only backs it up.
     # Interpreter: polls are slow and execution is sequential, so a wait that is not satisfied
     # at once never will be; fail fast.
-    return 1 << 23 if device.type == "cuda" else 64
+    return 2**31 - 1 if device.type == "cuda" else 64
 
 
 class SymmBuffer:
@@ -58,12 +58,16 @@ class SymmBuffer:
         device: virtual form: where to allocate (default: cuda if available, else cpu).
         group: real form: a torch.distributed process group, one rank per GPU. Collective:
             every rank of the group must construct the buffer (and ``destroy`` it) together.
-        timeout_spins: polls before a waiting kernel gives up and reports a stall.
+        timeout_s: seconds a kernel waits for a counter (a peer's flag, a block's tokens)
+            before it gives up and reports a stall (GPU). The default, 60 s, outlasts a peer's
+            first-call kernel compilation; a settable attribute.
+        timeout_spins: polls before a waiting kernel gives up (the interpreter's bound, where
+            waits run in sequence and a wait not met at once never will be).
     """
 
     def __init__(self, config: MoEConfig, *, num_ranks: int | None = None,
                  device: str | torch.device | None = None, group=None,
-                 timeout_spins: int | None = None) -> None:
+                 timeout_s: float = 60.0, timeout_spins: int | None = None) -> None:
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         if (num_ranks is None) == (group is None):
@@ -88,6 +92,7 @@ class SymmBuffer:
         self.max_spins = int(timeout_spins) if timeout_spins else _default_spins(self.device)
         if self.max_spins <= 0:
             raise ValueError(f"timeout_spins must be positive, got {timeout_spins}")
+        self.timeout_s = timeout_s
         self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
     def _init_group(self, config: MoEConfig, group, device) -> list[int]:
@@ -129,6 +134,20 @@ class SymmBuffer:
         self._hdl = hdl
         self._storage = [buf]
         return ptrs
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_ns / 1e9
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, 3600], got {seconds!r}")
+        self._timeout_ns = int(seconds * 1e9)
+
+    @property
+    def timeout_ns(self) -> int:
+        return self._timeout_ns
 
     # ---- what kernels and tests see --------------------------------------------------
     @property

@@ -52,6 +52,7 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
     y = fn()  # first call compiles
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    dist.barrier()  # time the second call from a common start, not a peer's compile
     t0 = time.perf_counter()
     y = fn()
     if dev.type == "cuda":

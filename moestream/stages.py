@@ -60,12 +60,12 @@ class Tuning:
     @classmethod
     def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
         """What the layer uses by default: the best tiles of benchmarks/NOTES.md on Hopper
-        (block_m 128: L1 128x128x64 with 8 warps, L2 128x64x64 with 4 warps), no waits on
+        (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits on
         GPUs (stream order), waits on under the interpreter."""
         if buffer.device.type != "cuda":
             return cls()
         if buffer.config.block_m >= 128:
-            return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=4, l1_block_n=128,
+            return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                        l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                    l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
@@ -192,11 +192,12 @@ def layout(buffer: SymmBuffer) -> None:
     c = _constants(buffer)
     off = c.off
     _dispatch.layout_kernel[(buffer.local_ranks,)](
-        buffer.table, buffer.rank0, buffer.max_spins,
+        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns,
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
         off["off_src_row"], off["off_src_tokens"], off["off_block_meta"],
-        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256)
+        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256,
+        USE_TIMER=not INTERPRET)
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -224,11 +225,12 @@ def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tun
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l1_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
+        buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
         off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P,
         BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-        **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+        USE_TIMER=not INTERPRET, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
@@ -241,13 +243,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuni
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l2_kernel[grid](
         buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
+        buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
         off["off_combine_y"], off["off_combine_flag"],
         cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
         cfg.intermediate // tuning.l1_tile(cfg)[0], c.P,
         K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
-        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope,
+        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET,
         **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 
@@ -260,12 +263,13 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
     _combine.combine_kernel[grid](
-        buffer.table, buffer.rank0, buffer.max_spins, y3, y3.stride(0), y3.stride(1),
+        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, y3, y3.stride(0),
+        y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
         off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts,
         K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
-        FIX_ROUNDING=INTERPRET, **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, **_launch_kw(tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],

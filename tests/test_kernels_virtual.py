@@ -283,6 +283,8 @@ def test_bad_arguments_name_what_is_wrong(gen):
         SymmBuffer(cfg, num_ranks=3, device=dev)
     with pytest.raises(ValueError, match="out must be"):
         call(out=torch.empty(R, 2, cfg.hidden, dtype=torch.bfloat16, device=dev))
+    with pytest.raises(ValueError, match="timeout_s must be"):
+        buf.timeout_s = 0
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -31,9 +31,10 @@ if not INTERPRET and not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "peer_ptr", "peer_ptrs", "wait_at_least",
-           "wait_all_at_least", "record_stall", "stalled", "PHASE_CODES", "next_pow2"]
+           "wait_all_at_least", "record_stall", "now_ns", "stalled", "PHASE_CODES", "next_pow2"]
 
 # diag "phase" codes written by a kernel that gave up waiting
 PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
@@ -90,19 +91,31 @@ def record_stall(diag, phase, rank, index, observed, expected, epoch, peer):
 
 
 @triton.jit
-def wait_at_least(ptr, target, diag, max_spins, phase, rank, index, epoch, peer,
-                  SCOPE: tl.constexpr):
+def now_ns(USE_TIMER: tl.constexpr):
+    """The GPU's global timer in ns (0 under the interpreter, which bounds waits by polls)."""
+    if USE_TIMER:
+        t = globaltimer()
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def wait_at_least(ptr, target, diag, max_spins, timeout_ns, phase, rank, index, epoch, peer,
+                  SCOPE: tl.constexpr, USE_TIMER: tl.constexpr):
     """Spin (acquire) until ``*ptr - target >= 0`` as int32 (wrap-safe for epochs).
 
-    Bounded: after ``max_spins`` polls, or as soon as another program of this rank has given
-    up, records the stall in ``diag`` and returns False. The caller skips its work and stops.
+    Bounded: after ``timeout_ns`` of wall time (GPU), ``max_spins`` polls, or as soon as
+    another program of this rank has given up, records the stall in ``diag`` and returns
+    False. The caller skips its work and stops.
     """
     v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
     spins = 0
+    t0 = now_ns(USE_TIMER)
     while ((v - target) < 0) & (spins < max_spins):
         v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
         spins += 1
-        if stalled(diag):
+        if stalled(diag) | (now_ns(USE_TIMER) - t0 > timeout_ns):
             spins = max_spins
     ok = (v - target) >= 0
     if not ok:
@@ -112,17 +125,18 @@ def wait_at_least(ptr, target, diag, max_spins, phase, rank, index, epoch, peer,
 
 
 @triton.jit
-def wait_all_at_least(ptrs, target, mask, diag, max_spins, phase, rank, index_base, epoch,
-                      SCOPE: tl.constexpr):
+def wait_all_at_least(ptrs, target, mask, diag, max_spins, timeout_ns, phase, rank, index_base,
+                      epoch, SCOPE: tl.constexpr, USE_TIMER: tl.constexpr):
     """Vector form of ``wait_at_least``: every ``ptrs[i]`` (where mask) reaches ``target``."""
     v = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
     short = mask & ((v - target) < 0)
     spins = 0
+    t0 = now_ns(USE_TIMER)
     while (tl.sum(short.to(tl.int32), axis=0) > 0) & (spins < max_spins):
         v = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
         short = mask & ((v - target) < 0)
         spins += 1
-        if stalled(diag):
+        if stalled(diag) | (now_ns(USE_TIMER) - t0 > timeout_ns):
             spins = max_spins
     n_short = tl.sum(short.to(tl.int32), axis=0)
     ok = n_short == 0

@@ -15,12 +15,13 @@ from ._common import peer_ptr, tl, to_bf16, triton, wait_all_at_least
 
 @triton.jit
 def combine_kernel(
-    table, rank0, max_spins,
+    table, rank0, max_spins, timeout_ns,
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
     y_rank_stride, y_stride,
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
     T_MAX, H, E,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -42,8 +43,8 @@ def combine_kernel(
         tk = t.to(tl.int64) * K + k
         idx = tl.load(topk_idx + tk, mask=km, other=-1)
         valid = km & (idx >= 0) & (idx < E)
-        ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, 4, rank, t * K, epoch,
-                               SCOPE="sys")
+        ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, timeout_ns, 4, rank,
+                               t * K, epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
         if ok:
             for h0 in range(0, H, BH):
                 h = h0 + tl.arange(0, BH)

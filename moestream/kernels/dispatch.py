@@ -118,10 +118,11 @@ def layout_device(table, rank, epoch, off_send_counts, off_num_tokens,
 
 @triton.jit
 def layout_kernel(
-    table, rank0, max_spins,
+    table, rank0, max_spins, timeout_ns,
     off_epoch, off_ready, off_diag, off_send_counts, off_num_tokens,
     off_expert_count, off_block_start, off_src_row, off_src_tokens, off_block_meta,
     R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     """Wait for every peer's inputs of this call, then store this rank's pool layout, and for
     every m-block its expert and valid rows (so a GEMM block needs one load to find them)."""
@@ -132,7 +133,7 @@ def layout_kernel(
     s = 0
     while (s < R) & ok:
         ok = wait_at_least(peer_ptr(table, s, off_ready, tl.int32), epoch, diag, max_spins,
-                           1, rank, s, epoch, s, SCOPE="sys")
+                           timeout_ns, 1, rank, s, epoch, s, SCOPE="sys", USE_TIMER=USE_TIMER)
         s += 1
     if ok:
         expert_count, block_start, total, src_row_ES, src_tokens = layout_device(

@@ -81,12 +81,12 @@ def _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, 
 @triton.jit
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
-    max_spins,
+    max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -117,8 +117,9 @@ def l1_kernel(
     while (ticket < total) & ok:
         meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(arrival + ticket // NB, meta & 511, diag, max_spins, 2, rank,
-                               ticket // NB, epoch, -1, SCOPE="gpu")
+            ok = wait_at_least(arrival + ticket // NB, meta & 511, diag, max_spins, timeout_ns,
+                               2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
+                               USE_TIMER=USE_TIMER)
         if ok:
             _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
                       H, I, BM, BN, BK, UPCAST, USE_TMA)
@@ -178,12 +179,13 @@ def _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, 
 @triton.jit
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
-    max_spins,
+    max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
     H, I, E_LOC, T_MAX, NB1, P,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -213,8 +215,9 @@ def l2_kernel(
     while (ticket < total) & ok:
         meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(l1_done + ticket // NB, NB1, diag, max_spins, 3, rank,
-                               ticket // NB, epoch, -1, SCOPE="gpu")
+            ok = wait_at_least(l1_done + ticket // NB, NB1, diag, max_spins, timeout_ns, 3,
+                               rank, ticket // NB, epoch, -1, SCOPE="gpu",
+                               USE_TIMER=USE_TIMER)
         if ok:
             _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                       off_combine_y, off_combine_flag, H, I, T_MAX, K, BM, BN, BK, UPCAST,
