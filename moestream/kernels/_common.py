@@ -33,8 +33,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
-__all__ = ["INTERPRET", "triton", "tl", "to_bf16", "peer_ptr", "peer_ptrs", "wait_at_least",
-           "wait_all_at_least", "record_stall", "now_ns", "stalled", "PHASE_CODES", "next_pow2"]
+__all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "peer_ptr", "peer_ptrs",
+           "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
+           "PHASE_CODES", "next_pow2"]
 
 # diag "phase" codes written by a kernel that gave up waiting
 PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
@@ -69,6 +70,17 @@ def peer_ptrs(table, ranks, byte_offsets, mask, DTYPE: tl.constexpr):
     """Pointer tensor: ``byte_offsets[i]`` inside rank ``ranks[i]``'s buffer."""
     base = tl.load(table + ranks, mask=mask, other=0).to(tl.int64)
     return (base + byte_offsets).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def launch_context(table, rank0, off_epoch, off_diag):
+    """Where a program of a grid (programs, local ranks) stands: (program, programs, local
+    rank, rank, this call's epoch, the rank's diag words)."""
+    lr = tl.program_id(1)
+    rank = rank0 + lr
+    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    return tl.program_id(0), tl.num_programs(0), lr, rank, epoch, diag
 
 
 @triton.jit

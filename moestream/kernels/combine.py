@@ -10,7 +10,7 @@ holds more than K x BH values. Picks with id -1 (or outside [0, E)) are skipped.
 """
 from __future__ import annotations
 
-from ._common import peer_ptr, tl, to_bf16, triton, wait_all_at_least
+from ._common import launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_least
 
 
 @triton.jit
@@ -23,13 +23,8 @@ def combine_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    lr = tl.program_id(1)
-    rank = rank0 + lr
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
-    diag = peer_ptr(table, rank, off_diag, tl.int32)
     T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
     topk_idx = peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K
     flags = peer_ptr(table, rank, off_combine_flag, tl.int32)

@@ -14,7 +14,7 @@ Call order on every rank (each step one launch; the next issue fuses them):
 """
 from __future__ import annotations
 
-from ._common import peer_ptr, peer_ptrs, tl, triton, wait_at_least
+from ._common import launch_context, peer_ptr, peer_ptrs, tl, triton, wait_at_least
 
 
 @triton.jit
@@ -175,10 +175,7 @@ def dispatch_kernel(
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
     """
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    rank = rank0 + tl.program_id(1)
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    pid, nprog, _, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     sv = tl.arange(0, R_PAD)
     src_tokens = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, mask=sv < R,
@@ -186,7 +183,7 @@ def dispatch_kernel(
     incl = tl.cumsum(src_tokens, axis=0)
     excl = incl - src_tokens
     total = tl.sum(src_tokens, axis=0)
-    if tl.load(peer_ptr(table, rank, off_diag, tl.int32), volatile=True) != 0:
+    if tl.load(diag, volatile=True) != 0:
         total = 0   # the layout step gave up waiting: its layout is stale, pull nothing
     src_row = peer_ptr(table, rank, off_src_row, tl.int32)
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)

@@ -22,7 +22,7 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import peer_ptr, peer_ptrs, tl, to_bf16, triton, wait_at_least
+from ._common import launch_context, peer_ptr, peer_ptrs, tl, to_bf16, triton, wait_at_least
 
 
 @triton.jit
@@ -88,12 +88,7 @@ def l1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    lr = tl.program_id(1)
-    rank = rank0 + lr
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
-    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
@@ -187,12 +182,7 @@ def l2_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    lr = tl.program_id(1)
-    rank = rank0 + lr
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
-    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
