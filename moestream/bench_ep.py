@@ -4,6 +4,7 @@ Providers, measured in the same run on the same inputs:
     staged        ours: mega_moe with one launch per stage (token-granular pull dispatch)
     staged-graph  the same calls captured once per input set in a CUDA graph and replayed
                   (how an inference engine runs a decode step: no Python launch overhead)
+    fused         mega_moe(impl="fused"): dispatch, L1, L2 and combine in one persistent launch
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
@@ -19,7 +20,7 @@ import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
-PROVIDERS = ("staged", "staged-graph", "torch")
+PROVIDERS = ("staged", "staged-graph", "fused", "torch")
 
 
 def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
@@ -73,12 +74,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             H, I = cfg.hidden, cfg.intermediate
             w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
             w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
-            ours = [p for p in providers if p.startswith("staged")]
+            ours = [p for p in providers if p != "torch"]
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
             for T in tokens:
                 sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
                 fns = {
                     "staged": lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf),
+                    "fused": lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl="fused"),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }

@@ -114,6 +114,11 @@ class MoEConfig:
         if num_ranks * self.max_tokens_per_rank * self.top_k >= 2**31:
             raise ValueError(f"num_ranks * max_tokens_per_rank * top_k must stay below 2**31, got "
                              f"{num_ranks} * {self.max_tokens_per_rank} * {self.top_k}")
+        # combine slots [T, K, H] are addressed with int32 element offsets
+        if self.max_tokens_per_rank * self.top_k * self.hidden >= 2**31:
+            raise ValueError("max_tokens_per_rank * top_k * hidden must stay below 2**31 (int32 "
+                             f"offsets into the combine slots), got {self.max_tokens_per_rank} * "
+                             f"{self.top_k} * {self.hidden}")
 
     def experts_per_rank(self, num_ranks: int) -> int:
         self.check_ranks(num_ranks)

@@ -40,7 +40,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
                      topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
                      w2s: Sequence[torch.Tensor], buffer: SymmBuffer, *,
                      out: torch.Tensor | None = None, validate: bool = True,
-                     tuning: stages.Tuning | None = None) -> list[torch.Tensor]:
+                     impl: str = "staged", tuning: stages.Tuning | None = None
+                     ) -> list[torch.Tensor]:
     """The expert-parallel layer for R virtual ranks held by one process.
 
     Runs the staged kernels (publish, signal, layout, dispatch, L1, L2, combine: one launch
@@ -57,6 +58,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
         buffer: a virtual ``SymmBuffer`` with num_ranks == R.
         out: optional [R, max T_r, H] bf16 to write into (rows past T_r are left alone).
         validate: check topk id ranges on the host before launching (a synchronisation).
+        impl: "staged" (one launch per stage) or "fused" (dispatch, L1, L2 and combine in one
+            persistent launch; see kernels/fused.py).
 
     Returns:
         y per rank, [T_r, H] bf16 (views into ``out`` or a fresh tensor).
@@ -89,15 +92,26 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    stages.run_staged(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
+    _runner(impl)(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
+
+
+IMPLS = ("staged", "fused")
+
+
+def _runner(impl: str):
+    if impl == "staged":
+        return stages.run_staged
+    if impl == "fused":
+        return stages.run_fused
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              w13: torch.Tensor, w2: torch.Tensor, buffer: SymmBuffer, *,
              out: torch.Tensor | None = None, validate: bool = False,
-             tuning: stages.Tuning | None = None) -> torch.Tensor:
+             impl: str = "staged", tuning: stages.Tuning | None = None) -> torch.Tensor:
     """The expert-parallel MoE layer for the calling rank.
 
     Collective: every rank of the buffer's group calls it the same number of times, in the
@@ -117,6 +131,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         validate: also check the topk id range on the host (synchronises). Without it, ids
             outside [-1, E) are ignored by the kernels and reported as a ValueError by a later
             call (or ``buffer.check()``).
+        impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
+            dispatch, L1, L2 and combine; not yet measured on GPUs).
 
     Returns:
         y: [T, H] bf16, sum over k of topk_weights * expert(x).
@@ -137,8 +153,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    stages.run_staged(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out,
-                      tuning=tuning)
+    run = _runner(impl)
+    run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now
     elif not capturing:

@@ -17,13 +17,14 @@ from .buffer import SymmBuffer
 from .config import cdiv
 from .kernels import combine as _combine
 from .kernels import dispatch as _dispatch
+from .kernels import fused as _fused
 from .kernels import gemm as _gemm
 from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
 from .routing import source_slots
 
-__all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine",
-           "run_staged"]
+__all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
+           "run_staged", "run_fused", "max_tickets"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -58,17 +59,22 @@ class Tuning:
     done_scope: str = "gpu"
 
     @classmethod
-    def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
-        """What the layer uses by default: the best tiles of benchmarks/NOTES.md on Hopper
-        (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits on
-        GPUs (stream order), waits on under the interpreter."""
-        if buffer.device.type != "cuda":
-            return cls()
-        if buffer.config.block_m >= 128:
+    def hopper(cls, block_m: int) -> "Tuning":
+        """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200
+        (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits
+        (the staged path's stream order already completes every producer)."""
+        if block_m >= 128:
             return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                        l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                    l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
+
+    @classmethod
+    def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
+        """``hopper`` on GPUs; under the interpreter the config's tiles with waits on."""
+        if buffer.device.type != "cuda":
+            return cls()
+        return cls.hopper(buffer.config.block_m)
 
     @classmethod
     def for_call(cls, buffer: SymmBuffer, tokens: int) -> "Tuning":
@@ -132,6 +138,12 @@ def _constants(buffer: SymmBuffer) -> _Constants:
     return c
 
 
+def wave_blocks(buffer: SymmBuffer) -> int:
+    """L1 blocks that close an expert wave: enough to occupy every SM (8 under the
+    interpreter, so small test calls still form several waves)."""
+    return _constants(buffer).sms or 8
+
+
 def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
     # scratch for tensor descriptors built on the device
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -188,15 +200,17 @@ def signal(buffer: SymmBuffer) -> None:
                                                    off["off_ready"])
 
 
-def layout(buffer: SymmBuffer) -> None:
+def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     c = _constants(buffer)
     off = c.off
+    cfg = buffer.config
     _dispatch.layout_kernel[(buffer.local_ranks,)](
         buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns,
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
-        off["off_src_row"], off["off_src_tokens"], off["off_block_meta"],
-        c.R, c.E_LOC, buffer.config.block_m, R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256,
+        off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
+        off["off_num_waves"], c.R, c.E_LOC, cfg.block_m, cfg.intermediate // tuning.l1_tile(cfg)[0],
+        wave_blocks(buffer), R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256,
         USE_TIMER=not INTERPRET)
 
 
@@ -248,7 +262,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuni
         off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
         off["off_combine_y"], off["off_combine_flag"],
         cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
-        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P,
+        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R,
         K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
         WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET,
         **_launch_kw(tuning.l2_warps, tuning.l2_stages))
@@ -281,8 +295,66 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     signal(buffer)
-    layout(buffer)
+    layout(buffer, tuning=tuning)
     dispatch(buffer, tuning=tuning)
     l1(buffer, w13s, tuning=tuning)
     l2(buffer, w2s, tuning=tuning)
     combine(buffer, y, tuning=tuning)
+
+
+def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
+    """Most tickets one fused launch can hand out (sizes a trace buffer)."""
+    cfg = buffer.config
+    nb12 = cfg.intermediate // tuning.l1_tile(cfg)[0] + cfg.hidden // tuning.l2_tile(cfg)[0]
+    per_rank = ((buffer.num_ranks + 1) * cfg.max_tokens_per_rank
+                + cfg.max_m_blocks(buffer.num_ranks) * nb12)
+    return buffer.local_ranks * per_rank
+
+
+def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.Tensor],
+          y: torch.Tensor, *, tuning: Tuning = Tuning(), trace: torch.Tensor | None = None
+          ) -> None:
+    """Dispatch, L1, L2 and combine of every local rank in one persistent launch (after
+    publish, signal and layout). ``trace``: optional int64 [max_tickets, 8] filled per ticket
+    (see kernels/fused.py)."""
+    cfg = buffer.config
+    c = _constants(buffer)
+    off = c.off
+    bn1, bk1 = tuning.l1_tile(cfg)
+    bn2, bk2 = tuning.l2_tile(cfg)
+    tma = tuning.tma(buffer)
+    _ensure_allocator(tma)
+    y3 = y if y.dim() == 3 else y.unsqueeze(0)
+    assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
+    nloc = buffer.local_ranks
+    programs = tuning.programs or (c.sms if c.sms else 2)
+    _fused.fused_kernel[(programs, 1)](
+        buffer.table, buffer.rank0, nloc, buffer.weight_table(w13s), buffer.weight_table(w2s),
+        y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
+        buffer.max_spins, buffer.timeout_ns,
+        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_src_tokens"],
+        off["off_src_row"], off["off_block_start"], off["off_block_meta"], off["off_wave_mb"],
+        off["off_num_waves"], off["off_arrival"], off["off_l1_done"], off["off_l2_done"],
+        off["off_tickets"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
+        off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
+        off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
+        cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
+        c.P,
+        K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
+        BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
+        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), UPCAST=INTERPRET, USE_TMA=tma,
+        USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope, ONE_RANK=nloc == 1,
+        TRACE=trace is not None, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+
+
+def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
+              topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
+              w2s: Sequence[torch.Tensor], y: torch.Tensor, *, tuning: Tuning | None = None,
+              trace: torch.Tensor | None = None) -> None:
+    """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H]."""
+    tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
+    for lr in range(buffer.local_ranks):
+        publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
+    signal(buffer)
+    layout(buffer, tuning=tuning)
+    fused(buffer, w13s, w2s, y, tuning=tuning, trace=trace)

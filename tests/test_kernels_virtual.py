@@ -121,6 +121,7 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("impl", ["staged", "fused"])
 @pytest.mark.parametrize("case", [
     # name, R, Ts, config changes, routing options; each line says what it stresses
     ("T=1 on every rank", 2, [1, 1], {}, {}),
@@ -136,7 +137,7 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank):
     ("hidden 512, intermediate 256, block_n 128", 2, [11, 6],
      {"hidden": 512, "intermediate": 256, "block_n": 128, "block_k": 32}, {}),
 ], ids=lambda c: c[0])
-def test_layer_matches_reference(device, gen, case):
+def test_layer_matches_reference(device, gen, case, impl):
     _, R, Ts, changes, opts = case
     cfg = small_config(**changes)
     routing = None
@@ -148,7 +149,7 @@ def test_layer_matches_reference(device, gen, case):
                              drop=opts.get("drop", 0.0), routing=routing)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl=impl)
     refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
                              [w.cpu() for w in ws], [w.cpu() for w in w13s],
                              [w.cpu() for w in w2s])
@@ -166,14 +167,16 @@ def test_layer_matches_reference(device, gen, case):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_consecutive_calls_reuse_buffer(device, gen):
     # epochs, double-buffered inputs and per-call counter resets across calls whose token
-    # counts and routings change (including a call where one rank has no tokens)
+    # counts and routings change (including a call where one rank has no tokens), with the
+    # staged and the fused path sharing one buffer
     cfg = small_config()
     R = 2
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     for call, Ts in enumerate([[24, 3], [1, 0], [7, 19], [16, 16]]):
         xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
-        ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+        ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf,
+                              impl="fused" if call % 2 else "staged")
         refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
                                  [w.cpu() for w in ws], [w.cpu() for w in w13s],
                                  [w.cpu() for w in w2s])
@@ -285,6 +288,8 @@ def test_bad_arguments_name_what_is_wrong(gen):
         call(out=torch.empty(R, 2, cfg.hidden, dtype=torch.bfloat16, device=dev))
     with pytest.raises(ValueError, match="timeout_s must be"):
         buf.timeout_s = 0
+    with pytest.raises(ValueError, match="impl must be one of"):
+        call(impl="chunky")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -307,3 +312,56 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
                              [w.cpu() for w in w13s], [w.cpu() for w in w2s])
     for r in range(R):
         assert rel_error(ys[r].cpu(), refs[r]) < TOL
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves", [
+    (2, [24, 20], 6, True),      # two ranks, several expert waves each
+    (3, [10, 0, 24], 4, False),  # a rank with no tokens still serves its experts
+])
+def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
+                                                          several_waves):
+    # the fused kernel's tickets, decoded on the device, are moestream.schedule's virtual order
+    cfg = small_config(num_experts=R * e_per_rank)
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    tuning = stages.Tuning()
+    trace = torch.full((stages.max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
+    y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
+    stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
+    buf.check()
+    sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
+                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=stages.wave_blocks(buf))
+    want = []
+    for t in sched.virtual_order():
+        if t.phase == 0:
+            want.append((0, t.rank, t.source, t.token, -1))
+        elif t.phase in (1, 2):
+            want.append((int(t.phase), t.rank, t.expert, t.m_block, t.n_block))
+        else:
+            want.append((3, t.rank, t.token, -1, -1))
+    got = [tuple(r) for r in trace[:len(want), :5].cpu().tolist()]
+    assert got == want
+    assert int((trace[len(want):, 0] != -9).sum()) == 0   # no ticket past the last
+    if several_waves:   # ~7 picks per expert, 2 L1 blocks each: a wave closes after 4 experts
+        assert any(len(p.waves) > 1 for p in sched.plans)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fused_with_a_missing_peer_raises(device, gen):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
+    xs, idxs, ws = make_case(cfg, 2, [5, 5], gen, device)
+    w13s, w2s = make_weights(cfg, 2, generator=gen, device=device)
+    mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused")
+    # rank 1's inputs of the next call never arrive: the layout step stalls, the fused launch
+    # then hands out no work, and the stall is reported instead of a hang
+    buf.view("epoch", 0).add_(1)
+    buf.view("ready", 0).add_(1)
+    stages.layout(buf)
+    y = torch.empty(2, 5, cfg.hidden, dtype=torch.bfloat16, device=device)
+    stages.fused(buf, w13s, w2s, y)
+    with pytest.raises(KernelStallError, match="peer ready flag"):
+        buf.check()

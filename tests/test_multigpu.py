@@ -61,14 +61,15 @@ def _worker_cases(rank, world, seed):
         cfg = _cfg(**changes)
         buf = SymmBuffer(cfg, group=dist.group.WORLD)
         x, idx, w, w13s, w2s = _inputs(cfg, world, rank, Ts[rank], seed, **opts)
-        y = torch.full((Ts[rank], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
-        mega_moe(x.to(dev), idx.to(dev), w.to(dev), w13s[rank].to(dev), w2s[rank].to(dev), buf,
-                 out=y)
-        buf.check()
         ref = _ref(x.to(dev), idx.to(dev), w.to(dev), w13s, w2s)
-        nan = bool(torch.isnan(y).any())
-        err = rel_error(y, ref) if Ts[rank] else 0.0
-        out.append((name, rank, err, nan))
+        for impl in ("staged", "fused"):
+            y = torch.full((Ts[rank], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+            mega_moe(x.to(dev), idx.to(dev), w.to(dev), w13s[rank].to(dev), w2s[rank].to(dev),
+                     buf, out=y, impl=impl)
+            buf.check()
+            nan = bool(torch.isnan(y).any())
+            err = rel_error(y, ref) if Ts[rank] else 0.0
+            out.append((f"{name} ({impl})", rank, err, nan))
         buf.destroy()
     return out
 

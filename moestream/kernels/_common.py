@@ -17,7 +17,9 @@ import sys
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
+# TRITON_INTERPRET=0 set explicitly keeps the compiler even without a GPU (ahead-of-time
+# compilation checks of the kernels for sm_90 on a CPU machine).
+if not INTERPRET and not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     if "triton" in sys.modules:
         import triton.language as _tl
         from triton.runtime.jit import JITFunction as _JITFunction

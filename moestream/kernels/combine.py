@@ -14,6 +14,33 @@ from ._common import launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_
 
 
 @triton.jit
+def combine_token(table, rank, t, par64, y_row, diag, max_spins, timeout_ns, epoch, T_MAX, H, E,
+                  off_topk_idx, off_combine_y, off_combine_flag,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr,
+                  FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr):
+    """One combine task: wait for token ``t``'s valid picks, then y_row[:] = sum of its slots.
+    Returns False if the wait gave up."""
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    tk = t.to(tl.int64) * K + k
+    idx = tl.load(peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
+                  mask=km, other=-1)
+    valid = km & (idx >= 0) & (idx < E)
+    flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
+    ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, timeout_ns, 4, rank, t * K,
+                           epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
+    if ok:
+        slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            v = tl.load(slots + tk[:, None] * H + h[None, :], mask=valid[:, None] & hm[None, :],
+                        other=0.0)
+            tl.store(y_row + h, to_bf16(tl.sum(v.to(tl.float32), axis=0), FIX_ROUNDING), mask=hm)
+    return ok
+
+
+@triton.jit
 def combine_kernel(
     table, rank0, max_spins, timeout_ns,
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
@@ -26,26 +53,11 @@ def combine_kernel(
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
-    topk_idx = peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K
-    flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
-    slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
-    k = tl.arange(0, K_PAD)
-    km = k < K
     t = pid
     ok = pid >= 0
     while (t < T) & ok:
-        tk = t.to(tl.int64) * K + k
-        idx = tl.load(topk_idx + tk, mask=km, other=-1)
-        valid = km & (idx >= 0) & (idx < E)
-        ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, timeout_ns, 4, rank,
-                               t * K, epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
-        if ok:
-            for h0 in range(0, H, BH):
-                h = h0 + tl.arange(0, BH)
-                hm = h < H
-                v = tl.load(slots + tk[:, None] * H + h[None, :], mask=valid[:, None] & hm[None, :],
-                            other=0.0)
-                out = tl.sum(v.to(tl.float32), axis=0)
-                tl.store(y + t.to(tl.int64) * y_stride + h, to_bf16(out, FIX_ROUNDING), mask=hm)
+        ok = combine_token(table, rank, t, par64, y + t.to(tl.int64) * y_stride, diag, max_spins,
+                           timeout_ns, epoch, T_MAX, H, E, off_topk_idx, off_combine_y,
+                           off_combine_flag, K, K_PAD, BH, FIX_ROUNDING, USE_TIMER)
         t += nprog

@@ -121,11 +121,15 @@ def layout_kernel(
     table, rank0, max_spins, timeout_ns,
     off_epoch, off_ready, off_diag, off_send_counts, off_num_tokens,
     off_expert_count, off_block_start, off_src_row, off_src_tokens, off_block_meta,
-    R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
+    off_wave_mb, off_num_waves,
+    R, E_LOC, BM, NB1, WAVE_BLOCKS,
+    R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
-    """Wait for every peer's inputs of this call, then store this rank's pool layout, and for
-    every m-block its expert and valid rows (so a GEMM block needs one load to find them)."""
+    """Wait for every peer's inputs of this call, then store this rank's pool layout, for
+    every m-block its expert and valid rows (so a GEMM block needs one load to find them), and
+    the expert waves: consecutive experts until a wave's L1 blocks (NB1 column blocks per
+    m-block) reach WAVE_BLOCKS, as moestream.schedule.expert_waves."""
     rank = rank0 + tl.program_id(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
     diag = peer_ptr(table, rank, off_diag, tl.int32)
@@ -148,7 +152,11 @@ def layout_kernel(
                  src_row_ES, mask=em[:, None] & (sv[None, :] < R))
         tl.store(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
         block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
+        wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
         m_blocks = (expert_count + BM - 1) // BM
+        tl.store(wave_mb, 0)
+        waves = 0
+        wave_blocks = 0
         for ex in range(0, E_LOC):
             sel = e == ex
             b0 = tl.sum(tl.where(sel, block_start, 0), axis=0)
@@ -160,6 +168,52 @@ def layout_kernel(
                 vm = tl.minimum(cnt - idx * BM, BM)
                 tl.store(block_meta + b0 + idx, ex * 512 + vm, mask=idx < nb)
                 j += BLOCK_META_CHUNK
+            wave_blocks += nb * NB1
+            if (wave_blocks >= WAVE_BLOCKS) | (ex == E_LOC - 1):
+                waves += 1
+                tl.store(wave_mb + waves, b0 + nb)
+                wave_blocks = 0
+        tl.store(peer_ptr(table, rank, off_num_waves, tl.int32), waves)
+
+
+@triton.jit
+def pull_token(table, rank, s, t, par64, T_MAX, H, R, E_LOC, BM, P,
+               off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
+               off_pool_src, off_pool_weight, off_arrival,
+               K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr):
+    """One dispatch task: token ``t`` of source rank ``s`` into ``rank``'s pool.
+
+    Reads the token's K picks from the source; if any is one of ``rank``'s experts, pulls the
+    row once, stores it in the pool row of each such pick with its source and weight, and
+    release-adds 1 to each of those rows' m-block arrival counters.
+    """
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    meta = par64 * T_MAX * K + t.to(tl.int64) * K + k
+    idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=km, other=-1)
+    le = idx - rank * E_LOC
+    mine = km & (idx >= 0) & (le >= 0) & (le < E_LOC)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
+        w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine, other=0.0)
+        row = tl.load(peer_ptr(table, rank, off_src_row, tl.int32) + le * R + s, mask=mine,
+                      other=0) + slot
+        mine = mine & (row >= 0) & (row < P)   # a corrupt peer can never write out of bounds
+        row64 = row.to(tl.int64)
+        pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+        x_src = peer_ptr(table, s, off_x, tl.bfloat16) + (par64 * T_MAX + t.to(tl.int64)) * H
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            v = tl.load(x_src + h, mask=h < H)
+            tl.store(pool_x + row64[:, None] * H + h[None, :],
+                     tl.broadcast_to(v[None, :], [K_PAD, BH]),
+                     mask=mine[:, None] & (h[None, :] < H))
+        tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row, (s * T_MAX + t) * K + k,
+                 mask=mine)
+        tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w, mask=mine)
+        tl.debug_barrier()  # every thread's row stores precede the release below
+        tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1, mask=mine,
+                      sem="release", scope="gpu")
 
 
 @triton.jit
@@ -185,38 +239,11 @@ def dispatch_kernel(
     total = tl.sum(src_tokens, axis=0)
     if tl.load(diag, volatile=True) != 0:
         total = 0   # the layout step gave up waiting: its layout is stale, pull nothing
-    src_row = peer_ptr(table, rank, off_src_row, tl.int32)
-    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
-    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
-    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
-    arrival = peer_ptr(table, rank, off_arrival, tl.int32)
-    k = tl.arange(0, K_PAD)
-    km = k < K
     ticket = pid
     while ticket < total:
         s = tl.sum((incl <= ticket).to(tl.int32), axis=0)           # source rank of the ticket
         t = ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)     # token on that source
-        meta = par64 * T_MAX * K + t.to(tl.int64) * K + k
-        idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=km, other=-1)
-        le = idx - rank * E_LOC
-        mine = km & (idx >= 0) & (le >= 0) & (le < E_LOC)
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
-            w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
-                        other=0.0)
-            row = tl.load(src_row + le * R + s, mask=mine, other=0) + slot
-            mine = mine & (row >= 0) & (row < P)   # a corrupt peer can never write out of bounds
-            row64 = row.to(tl.int64)
-            x_src = (peer_ptr(table, s, off_x, tl.bfloat16)
-                     + (par64 * T_MAX + t.to(tl.int64)) * H)
-            for h0 in range(0, H, BH):
-                h = h0 + tl.arange(0, BH)
-                v = tl.load(x_src + h, mask=h < H)
-                tl.store(pool_x + row64[:, None] * H + h[None, :],
-                         tl.broadcast_to(v[None, :], [K_PAD, BH]),
-                         mask=mine[:, None] & (h[None, :] < H))
-            tl.store(pool_src + row, (s * T_MAX + t) * K + k, mask=mine)
-            tl.store(pool_w + row, w, mask=mine)
-            tl.debug_barrier()  # every thread's row stores precede the release below
-            tl.atomic_add(arrival + row // BM, 1, mask=mine, sem="release", scope="gpu")
+        pull_token(table, rank, s, t, par64, T_MAX, H, R, E_LOC, BM, P,
+                   off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
+                   off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH)
         ticket += nprog

@@ -32,12 +32,32 @@ def block_meta_of(block_meta, ticket, total, NB):
 
 
 @triton.jit
-def _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release."""
-    mb = ticket // NB
-    nb = ticket % NB
+def l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """Tensor descriptors (TMA) of L1's A rows [P, H] and weight tiles [E_LOC * 2I, H]."""
+    a_desc = tl.make_tensor_descriptor(pool_x, shape=[P, H], strides=[H, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2 * I, H], strides=[H, 1],
+                                       block_shape=[BN, BK])
+    return a_desc, w_desc
+
+
+@triton.jit
+def l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """Tensor descriptors of L2's A rows [P, I] and weight tiles [E_LOC * H, I]."""
+    a_desc = tl.make_tensor_descriptor(pool_act, shape=[P, I], strides=[I, 1],
+                                       block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w2, shape=[E_LOC * H, I], strides=[I, 1],
+                                       block_shape=[BN, BK])
+    return a_desc, w_desc
+
+
+@triton.jit
+def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release.
+    ``meta``: the m-block's block_meta entry (expert * 512 + valid_m)."""
     e = meta >> 9
     vm = meta & 511
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
@@ -100,10 +120,7 @@ def l1_kernel(
     a_desc = 0
     w_desc = 0
     if USE_TMA:  # bulk tensor copies (TMA) of the A rows and the weight tiles
-        a_desc = tl.make_tensor_descriptor(pool_x, shape=[P, H], strides=[H, 1],
-                                           block_shape=[BM, BK])
-        w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2 * I, H], strides=[H, 1],
-                                           block_shape=[BN, BK])
+        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -116,21 +133,19 @@ def l1_kernel(
                                2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            _l1_block(ticket, meta, NB, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                      H, I, BM, BN, BK, UPCAST, USE_TMA)
+            l1_block(ticket // NB, ticket % NB, meta, l1_done, pool_x, pool_w, pool_act, w13,
+                     a_desc, w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
         meta = meta_next
         ticket += nprog
 
 
 @triton.jit
-def _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
-              off_combine_y, off_combine_flag, H, I, T_MAX,
-              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr):
+def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
+             off_combine_y, off_combine_flag, H, I, T_MAX, R,
+             K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr):
     """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
-    that completes an m-block releases its rows' combine flags."""
-    mb = ticket // NB
-    nb = ticket % NB
+    that completes an m-block (of NB column blocks) releases its rows' combine flags."""
     e = meta >> 9
     vm = meta & 511
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
@@ -156,9 +171,15 @@ def _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, 
     rv = tl.arange(0, BM) < vm
     code = tl.load(pool_src + rows, mask=rv, other=0)
     src = code // (T_MAX * K)
-    tk = (code % (T_MAX * K)).to(tl.int64)       # token * K + k on the source rank
-    dst = peer_ptrs(table, src, off_combine_y + (tk * H + nb * BN) * 2, rv, tl.bfloat16)
-    tl.store(dst[:, None] + cols[None, :], to_bf16(acc, UPCAST), mask=rv[:, None])
+    tk = code % (T_MAX * K)                      # token * K + k on the source rank
+    out = to_bf16(acc, UPCAST)
+    # One masked store per source rank: element offsets from one base pointer fit int32
+    # (T_MAX * K * H < 2**31, checked by the config), where a pointer per element would hold
+    # 64 bits of address for every value of the tile.
+    offs = tk[:, None] * H + nb * BN + cols[None, :]
+    for s in range(0, R):
+        tl.store(peer_ptr(table, s, off_combine_y, tl.bfloat16) + offs, out,
+                 mask=(rv & (src == s))[:, None])
     tl.debug_barrier()  # every thread's rows are stored before the count is released
     # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU, the
     # last one releases to the peers at system scope, and release is cumulative); "sys" is
@@ -167,7 +188,7 @@ def _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, 
     if done == NB - 1:
         # last column block of this m-block: every block's rows are visible (acquired above),
         # so one release per row tells the token's rank that its row is complete
-        flags = peer_ptrs(table, src, off_combine_flag + tk * 4, rv, tl.int32)
+        flags = peer_ptrs(table, src, off_combine_flag + tk.to(tl.int64) * 4, rv, tl.int32)
         tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
 
 
@@ -177,7 +198,7 @@ def l2_kernel(
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
-    H, I, E_LOC, T_MAX, NB1, P,
+    H, I, E_LOC, T_MAX, NB1, P, R,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr,
@@ -193,10 +214,7 @@ def l2_kernel(
     a_desc = 0
     w_desc = 0
     if USE_TMA:
-        a_desc = tl.make_tensor_descriptor(pool_act, shape=[P, I], strides=[I, 1],
-                                           block_shape=[BM, BK])
-        w_desc = tl.make_tensor_descriptor(w2, shape=[E_LOC * H, I], strides=[I, 1],
-                                           block_shape=[BN, BK])
+        a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
     NB = H // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -209,8 +227,8 @@ def l2_kernel(
                                rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            _l2_block(ticket, meta, NB, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
-                      off_combine_y, off_combine_flag, H, I, T_MAX, K, BM, BN, BK, UPCAST,
-                      USE_TMA, DONE_SCOPE)
+            l2_block(ticket // NB, ticket % NB, NB, meta, table, l2_done, pool_act, pool_src, w2,
+                     a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN,
+                     BK, UPCAST, USE_TMA, DONE_SCOPE)
         meta = meta_next
         ticket += nprog

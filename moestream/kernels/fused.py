@@ -1,0 +1,230 @@
+"""The fused persistent kernel: dispatch, L1 + SwiGLU, L2 and combine in one launch.
+
+Programs take tickets from an atomic counter, in the dependency order of
+``moestream.schedule`` (``Schedule.virtual_order`` for the launch's local ranks):
+
+    every dispatch task (local rank, source rank, source token)
+    per local rank, per expert wave: its L1 blocks (m-block, n fastest), then its L2 blocks
+    every combine task (local rank, token)
+
+A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
+L2 via l1_done, L2 -> combine via the combine flags, possibly of another rank's launch, whose L2
+never waits on combine), and a program holds at most the ticket it works on plus the next one
+it already claimed (claimed early to hide the counter's latency; still later than the current
+one). So programs never wait in a cycle, however few of them are resident, and a sequential run
+(the interpreter) finishes too.
+
+The publish, signal and layout steps run before this launch (they are per-call setup: the
+pool layout needs every peer's counts).
+
+Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
+blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
+Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
+(a, b, c) = (source, token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
+(token, -1, -1) for combine.
+"""
+from __future__ import annotations
+
+from triton.language.extra.cuda import smid
+
+from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton,
+                      wait_at_least)
+from .combine import combine_token
+from .dispatch import pull_token
+from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors
+
+# the moestream.schedule.Phase values
+PHASE_DISPATCH = tl.constexpr(0)
+PHASE_L1 = tl.constexpr(1)
+PHASE_L2 = tl.constexpr(2)
+PHASE_COMBINE = tl.constexpr(3)
+
+
+@triton.jit
+def _sections(table, rank0, NLOC, par64, NB12, off_src_tokens, off_block_start,
+              off_num_tokens, R, E_LOC, NLOC_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Per local rank: dispatch tasks, GEMM blocks and combine tasks of this call."""
+    lv = tl.arange(0, NLOC_PAD)
+    lm = lv < NLOC
+    sv = tl.arange(0, R_PAD)
+    ranks = rank0 + lv
+    src_tok = tl.load(peer_ptrs(table, ranks[:, None], off_src_tokens + sv[None, :] * 4,
+                                lm[:, None], tl.int32),
+                      mask=lm[:, None] & (sv[None, :] < R), other=0)
+    d = tl.sum(src_tok, axis=1)
+    g = tl.load(peer_ptrs(table, ranks, off_block_start + E_LOC * 4, lm, tl.int32), mask=lm,
+                other=0) * NB12
+    c = tl.load(peer_ptrs(table, ranks, off_num_tokens + par64 * 4, lm, tl.int32), mask=lm,
+                other=0)
+    return d, g, c
+
+
+@triton.jit
+def _pick(vec, i):
+    """vec[i] for a scalar index."""
+    return tl.sum(tl.where(tl.arange(0, vec.shape[0]) == i, vec, 0), axis=0)
+
+
+@triton.jit
+def _locate(t, counts):
+    """(index, offset): the section ``counts[index]`` that ticket offset ``t`` falls in."""
+    incl = tl.cumsum(counts, axis=0)
+    i = tl.sum((incl <= t).to(tl.int32), axis=0)
+    return i, t - (_pick(incl, i) - _pick(counts, i))
+
+
+@triton.jit
+def fused_kernel(
+    table, rank0, NLOC,             # int64[R] buffers; this launch serves ranks rank0 .. +NLOC
+    w13_table, w2_table,            # int64[NLOC] weight bases
+    y_ptr, y_rank_stride, y_stride,  # bf16 [NLOC, T, H]
+    trace_ptr,                      # int64 [tickets, 8] (TRACE only)
+    max_spins, timeout_ns,
+    off_epoch, off_diag, off_num_tokens, off_src_tokens, off_src_row, off_block_start,
+    off_block_meta, off_wave_mb, off_num_waves, off_arrival, off_l1_done, off_l2_done,
+    off_tickets, off_x, off_topk_idx, off_topk_weights, off_slot, off_pool_x, off_pool_src,
+    off_pool_weight, off_pool_act, off_combine_y, off_combine_flag,
+    T_MAX, H, I, E, R, E_LOC, P,
+    K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    NLOC_PAD: tl.constexpr, BM: tl.constexpr,
+    BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+    BH: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, USE_TIMER: tl.constexpr,
+    DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
+):
+    _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
+    par64 = (epoch & 1).to(tl.int64)
+    NB1 = I // BN1
+    NB2 = H // BN2
+    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, off_src_tokens,
+                              off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
+    D = tl.sum(d_v, axis=0)
+    G = tl.sum(g_v, axis=0)
+    total = D + G + tl.sum(c_v, axis=0)
+    if stalled(diag_0):
+        total = 0   # the layout step gave up: nothing of this call is valid
+    counter = peer_ptr(table, rank0, off_tickets, tl.int32)
+    if ONE_RANK:
+        w13_0 = tl.load(w13_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+        w2_0 = tl.load(w2_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+        if USE_TMA:   # one set of descriptors for the whole launch
+            a1, wd1 = l1_descriptors(peer_ptr(table, rank_0, off_pool_x, tl.bfloat16), w13_0, P,
+                                     H, I, E_LOC, BM, BN1, BK1)
+            a2, wd2 = l2_descriptors(peer_ptr(table, rank_0, off_pool_act, tl.bfloat16), w2_0,
+                                     P, H, I, E_LOC, BM, BN2, BK2)
+    ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+    ok = ticket >= 0
+    while (ticket < total) & ok:
+        nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")   # lands meanwhile
+        if TRACE:
+            t_start = now_ns(USE_TIMER)
+        # trace fields, tensors from the start so every branch may reassign them
+        phase = ticket * 0
+        rank = ticket * 0
+        a = ticket * 0 - 1
+        b = ticket * 0 - 1
+        c = ticket * 0 - 1
+        if ticket < D:
+            lr, local = _locate(ticket, d_v)
+            rank = rank0 + lr
+            sv = tl.arange(0, R_PAD)
+            src_tok = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv,
+                              mask=sv < R, other=0)
+            s, tok = _locate(local, src_tok)
+            pull_token(table, rank, s, tok, par64, T_MAX, H, R, E_LOC, BM, P,
+                       off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row,
+                       off_pool_x, off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH)
+            phase = ticket * 0 + PHASE_DISPATCH
+            a = s
+            b = tok
+        elif ticket < D + G:
+            lr, local = _locate(ticket - D, g_v)
+            rank = rank0 + lr
+            diag = peer_ptr(table, rank, off_diag, tl.int32)
+            # the expert wave of the block: waves start at m-block wave_mb[w], and wave w's
+            # tickets start at wave_mb[w] * (NB1 + NB2)
+            ev = tl.arange(0, E_PAD)
+            n_waves = tl.load(peer_ptr(table, rank, off_num_waves, tl.int32))
+            wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
+            ends = tl.load(wave_mb + 1 + ev, mask=ev < n_waves, other=2147483647)
+            # ends * (NB1 + NB2) <= local, without the product (ends is 2**31 - 1 past the end)
+            w = tl.sum((ends <= local // (NB1 + NB2)).to(tl.int32), axis=0)
+            w0 = tl.load(wave_mb + w)
+            n_mb = tl.load(wave_mb + w + 1) - w0
+            in_wave = local - w0 * (NB1 + NB2)
+            block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
+            if ONE_RANK:
+                w13 = w13_0
+                w2 = w2_0
+            else:
+                w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+                w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+            if in_wave < n_mb * NB1:
+                mb = w0 + in_wave // NB1
+                nb = in_wave % NB1
+                meta = tl.load(block_meta + mb)
+                ok = wait_at_least(peer_ptr(table, rank, off_arrival, tl.int32) + mb, meta & 511,
+                                   diag, max_spins, timeout_ns, 2, rank, mb, epoch, -1,
+                                   SCOPE="gpu", USE_TIMER=USE_TIMER)
+                if ok:
+                    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+                    a_d = 0
+                    w_d = 0
+                    if USE_TMA:
+                        if ONE_RANK:
+                            a_d = a1
+                            w_d = wd1
+                        else:
+                            a_d, w_d = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN1, BK1)
+                    l1_block(mb, nb, meta, peer_ptr(table, rank, off_l1_done, tl.int32), pool_x,
+                             peer_ptr(table, rank, off_pool_weight, tl.float32),
+                             peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, a_d, w_d,
+                             H, I, BM, BN1, BK1, UPCAST, USE_TMA)
+                phase = ticket * 0 + PHASE_L1
+            else:
+                in_l2 = in_wave - n_mb * NB1
+                mb = w0 + in_l2 // NB2
+                nb = in_l2 % NB2
+                meta = tl.load(block_meta + mb)
+                ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
+                                   max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
+                                   USE_TIMER=USE_TIMER)
+                if ok:
+                    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+                    a_d = 0
+                    w_d = 0
+                    if USE_TMA:
+                        if ONE_RANK:
+                            a_d = a2
+                            w_d = wd2
+                        else:
+                            a_d, w_d = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN2, BK2)
+                    l2_block(mb, nb, NB2, meta, table, peer_ptr(table, rank, off_l2_done, tl.int32),
+                             pool_act, peer_ptr(table, rank, off_pool_src, tl.int32), w2, a_d,
+                             w_d, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN2,
+                             BK2, UPCAST, USE_TMA, DONE_SCOPE)
+                phase = ticket * 0 + PHASE_L2
+            a = meta >> 9
+            b = mb
+            c = nb
+        else:
+            lr, tok = _locate(ticket - D - G, c_v)
+            rank = rank0 + lr
+            diag = peer_ptr(table, rank, off_diag, tl.int32)
+            y_row = y_ptr + lr.to(tl.int64) * y_rank_stride + tok.to(tl.int64) * y_stride
+            ok = combine_token(table, rank, tok, par64, y_row, diag, max_spins, timeout_ns, epoch,
+                               T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag, K,
+                               K_PAD, BH, UPCAST, USE_TIMER)
+            phase = ticket * 0 + PHASE_COMBINE
+            a = tok
+        if TRACE:
+            row = trace_ptr + ticket.to(tl.int64) * 8
+            tl.store(row + 0, phase.to(tl.int64))
+            tl.store(row + 1, rank.to(tl.int64))
+            tl.store(row + 2, a.to(tl.int64))
+            tl.store(row + 3, b.to(tl.int64))
+            tl.store(row + 4, c.to(tl.int64))
+            if USE_TIMER:
+                tl.store(row + 5, smid().to(tl.int64))
+            tl.store(row + 6, t_start)
+            tl.store(row + 7, now_ns(USE_TIMER))
+        ticket = nxt

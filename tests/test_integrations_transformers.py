@@ -1,0 +1,415 @@
+"""moestream.integrations.transformers: replaced MoE blocks compute what the model computed.
+
+Tiny random-weight models of each family (hidden 256, expert width 128, 4-8 experts, 16 tokens)
+run in bf16 on the CPU; the kernels run in Triton's interpreter (block_m=16 keeps it fast).
+
+Tolerance (relative error ||a - b|| / ||b||, both sides bf16): the model's own experts and
+moestream's both start from the same bf16 tokens and weights and round the SwiGLU activation and
+the output to bf16; transformers also rounds the gate/up projections, the weighted expert
+outputs and their running sum to bf16 (unit roundoff 2^-8 = 3.9e-3 each). Over 12 seeds the
+difference was 3-6e-3 for a block's output and at most 5.3e-3 for the logits; TOL = 2e-2 leaves
+about 4x headroom, while swapping the weights of the two busiest experts (the bug of a wrong
+expert offset) moved the logits by 1.4e-1 to 5.5e-1 (checked below, so the comparison can fail).
+
+Routing: the logits are compared on models with a single MoE layer, whose router sees bit-equal
+inputs in both runs. After a replaced MoE layer, bf16 noise (~5e-3) can flip a later router's
+choice between two near-tied experts, a legitimate difference of up to ~2e-2 on the logits; the
+all-MoE models are therefore compared block by block, each block on the inputs the original
+model gave it.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# moestream first: transformers' model classes import Triton, and on a CPU-only machine moestream
+# must switch Triton to its interpreter before that happens.
+from moestream.integrations.transformers import (
+    SUPPORTED_BLOCKS, MegaMoEExperts, _ExpertsLayout, replace_moe_blocks)
+from moestream.testing import rel_error
+
+transformers = pytest.importorskip(
+    "transformers", reason="moestream.integrations.transformers needs Hugging Face transformers "
+    "(pip install transformers)")
+
+TOL = 2e-2
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+H, I_MOE, VOCAB = 256, 128, 128
+
+
+# ---- models -----------------------------------------------------------------------------
+
+def _config(family: str, *, single_moe_layer: bool):
+    # initializer_range = 1/sqrt(H): O(1) activations in every layer, so the experts' output is a
+    # large part of the logits and a wrong expert shows in them.
+    common = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                  initializer_range=H ** -0.5)
+    if family == "mixtral":
+        if single_moe_layer:
+            common["num_hidden_layers"] = 1   # every Mixtral layer is an MoE layer
+        return transformers.MixtralConfig(intermediate_size=I_MOE, num_local_experts=4,
+                                          num_experts_per_tok=2, **common)
+    dense_first = dict(mlp_only_layers=[0]) if single_moe_layer else {}
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=256, moe_intermediate_size=I_MOE, shared_expert_intermediate_size=128,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **dense_first, **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=I_MOE, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, head_dim=64, **dense_first, **common)
+    # group-limited routing: 8 experts in 4 groups, the best 2 groups, 2 experts per token
+    return transformers.DeepseekV3Config(
+        intermediate_size=256, moe_intermediate_size=I_MOE, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        first_k_dense_replace=1 if single_moe_layer else 0, kv_lora_rank=64, q_lora_rank=None,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, **common)
+
+
+_MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def _model(family: str, gen: torch.Generator, *, single_moe_layer: bool) -> nn.Module:
+    """A bf16 eval-mode model whose random weights come from ``gen`` (replayable)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        model = getattr(transformers, _MODELS[family])(
+            _config(family, single_moe_layer=single_moe_layer))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # exercise DeepSeek-V3's bias
+                buf.normal_(0.0, 0.1)
+    return model.to(torch.bfloat16).eval()
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_BLOCKS]
+
+
+def _ids(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=gen)   # 16 tokens
+
+
+def _assert_same_structure(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape \
+            and got.dtype == want.dtype, (type(got), getattr(got, "shape", None), want.shape)
+    else:
+        assert type(got) is type(want) and len(got) == len(want), (type(got), type(want))
+        for g, w in zip(got, want):
+            _assert_same_structure(g, w)
+
+
+def _swap_busiest_experts(model: nn.Module, ids: torch.Tensor) -> None:
+    """Give the two most used experts of the last MoE block each other's weights."""
+    experts = _blocks(model)[-1].experts
+    seen = []
+    hook = experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    counts = torch.bincount(seen[-1].flatten(), minlength=experts.num_experts)
+    e1, e2 = counts.argsort(descending=True)[:2].tolist()
+    with torch.no_grad():
+        for w in (experts.moe.w13, experts.moe.w2):
+            w[[e1, e2]] = w[[e2, e1]].clone()
+
+
+# ---- whole models -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_and_a_wrong_expert_does_not(family, gen):
+    model = _model(family, gen, single_moe_layer=True)
+    ids = _ids(gen)
+    with torch.no_grad():
+        before = model(ids, output_router_logits=family != "deepseek_v3")
+    replace_moe_blocks(model, block_m=16)
+    assert all(isinstance(b.experts, MegaMoEExperts) for b in _blocks(model))
+    with torch.no_grad():
+        after = model(ids, output_router_logits=family != "deepseek_v3")
+    err = rel_error(after.logits, before.logits)
+    assert err <= TOL, f"{family}: logits differ by {err:.3e} (tolerance {TOL})"
+    if family != "deepseek_v3":
+        # The model's own router still runs, so transformers still records its logits.
+        assert len(after.router_logits) == len(before.router_logits) == 1
+        assert torch.equal(after.router_logits[0], before.router_logits[0])
+
+    _swap_busiest_experts(model, ids)
+    with torch.no_grad():
+        wrong = model(ids).logits
+    assert rel_error(wrong, before.logits) > 2 * TOL, \
+        f"{family}: swapping two experts' weights went unnoticed by the comparison"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_block_matches_on_the_models_own_inputs(family, gen):
+    model = _model(family, gen, single_moe_layer=False)
+    blocks = _blocks(model)
+    assert len(blocks) == 2
+    seen: dict[int, tuple] = {}
+    hooks = [b.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args, out)))
+             for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        model(_ids(gen))
+    for h in hooks:
+        h.remove()
+    replace_moe_blocks(model, block_m=16)
+    for i, block in enumerate(blocks):
+        args, want = seen[i]
+        assert args[0].shape == (2, 8, H)
+        with torch.no_grad():
+            got = block(*args)
+        _assert_same_structure(got, want)
+        err = rel_error(got, want)
+        assert err <= TOL, f"{family} block {i}: output differs by {err:.3e} (tolerance {TOL})"
+
+
+def test_replaced_experts_are_freed(gen):
+    model = _model("qwen3_moe", gen, single_moe_layer=False)
+    old = [weakref.ref(p) for b in _blocks(model) for p in b.experts.parameters()]
+    n_before = sum(p.numel() for p in model.parameters())
+    n_experts = sum(p.numel() for b in _blocks(model) for p in b.experts.parameters())
+    replace_moe_blocks(model, block_m=16)
+    gc.collect()
+    assert all(r() is None for r in old), "an original expert weight is still alive"
+    names = [n for n, _ in model.named_parameters() if ".experts." in n]
+    assert names and all(n.endswith(("experts.moe.w13", "experts.moe.w2")) for n in names), names
+    # one rank: it holds every expert, so the count is unchanged but now all in MegaMoE weights
+    n_moe = sum(p.numel() for b in _blocks(model) for p in b.experts.moe.parameters())
+    assert n_moe == n_experts == 2 * 4 * 3 * I_MOE * H
+    assert sum(p.numel() for p in model.parameters()) == n_before
+    for b in _blocks(model):
+        assert b.experts.moe.w13.dtype == torch.bfloat16 and b.experts.moe.w13.is_contiguous()
+
+
+# ---- expert storage layouts -----------------------------------------------------------------
+
+def _qwen3_block(gen: torch.Generator):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    cfg = _config("qwen3_moe", single_moe_layer=False)
+    cfg._experts_implementation = "eager"
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    if not hasattr(block.experts, "gate_up_proj"):
+        pytest.skip("this transformers stores per-expert Linears (4.x); see the legacy test")
+    with torch.no_grad():
+        for p in block.parameters():   # the experts are torch.empty until a model inits them
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return block.to(torch.bfloat16).eval()
+
+
+def _to_layout(experts: nn.Module, layout: str) -> None:
+    """Store the experts as [E, H, 2I] / [E, I, H] and/or with gate and up rows interleaved."""
+    gu, dn = experts.gate_up_proj.data, experts.down_proj.data
+    if "interleaved" in layout:
+        i = gu.shape[1] // 2
+        gu = torch.stack([gu[:, :i], gu[:, i:]], dim=2).reshape(gu.shape)  # g0 u0 g1 u1 ...
+        experts.is_concatenated = False
+    if "transposed" in layout:
+        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        experts.is_transposed = True
+    if layout == "transposed-inferred":
+        del experts.is_transposed    # no flag: the shapes must tell
+    experts.gate_up_proj = nn.Parameter(gu.contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(dn.contiguous(), requires_grad=False)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "transposed-inferred", "interleaved"])
+def test_fused_layouts(layout, gen):
+    block = _qwen3_block(gen)
+    x = torch.randn(2, 8, H, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+    _to_layout(block.experts, layout)
+    replace_moe_blocks(block, block_m=16)
+    with torch.no_grad():
+        got = block(x)
+    assert rel_error(got, want) <= TOL
+
+
+def test_extract_takes_this_ranks_experts(gen):
+    """Rank 1 of 2 gets experts [2, 4) in moestream's layout, from any storage layout."""
+    block = _qwen3_block(gen)
+    gu, dn = block.experts.gate_up_proj.detach().clone(), block.experts.down_proj.detach().clone()
+    for layout, transposed, interleaved in (("transposed", True, False),
+                                            ("interleaved", False, True)):
+        experts = _qwen3_block(gen).experts
+        experts.gate_up_proj.data.copy_(gu)
+        experts.down_proj.data.copy_(dn)
+        _to_layout(experts, layout)
+        spec = _ExpertsLayout("fused", 4, I_MOE, transposed=transposed, interleaved=interleaved)
+        w13, w2 = spec.extract(experts, range(2, 4))
+        assert torch.equal(w13, gu[2:4]) and torch.equal(w2, dn[2:4]), layout
+
+
+def test_long_inputs_are_chunked_on_one_rank(gen):
+    block = _qwen3_block(gen)
+    x = torch.randn(2, 8, H, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+    replace_moe_blocks(block, block_m=16, buffer_tokens=8)   # 16 tokens: two calls
+    with torch.no_grad():
+        assert rel_error(block(x), want) <= TOL
+
+
+# ---- transformers 4.x layouts (per-expert Linears), rebuilt from the 4.57 source -------------
+
+class _MLP(nn.Module):
+    def __init__(self, names: tuple[str, str, str], inter: int = I_MOE) -> None:
+        super().__init__()
+        self.names = names
+        for n, (i, o) in zip(names, ((H, inter), (H, inter), (inter, H))):
+            setattr(self, n, nn.Linear(i, o, bias=False))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        g, u, d = (getattr(self, n) for n in self.names)
+        return d(self.act_fn(g(x)) * u(x))
+
+
+def _expert_loop(experts, x, selected, weights):
+    out = torch.zeros_like(x)
+    mask = F.one_hot(selected, len(experts)).permute(2, 1, 0)
+    for e in range(len(experts)):
+        k, tok = torch.where(mask[e])
+        out.index_add_(0, tok, (experts[e](x[tok]) * weights[tok, k, None]).to(x.dtype))
+    return out
+
+
+class MixtralSparseMoeBlock(nn.Module):    # transformers 4.x: w1/w3/w2, returns (y, logits)
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.jitter_noise = 2, 0.0
+        self.gate = nn.Linear(H, 4, bias=False)
+        self.experts = nn.ModuleList(_MLP(("w1", "w3", "w2")) for _ in range(4))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        router_logits = self.gate(x)
+        w, sel = torch.topk(F.softmax(router_logits, dim=1, dtype=torch.float), self.top_k, -1)
+        w /= w.sum(dim=-1, keepdim=True)
+        y = _expert_loop(self.experts, x, sel, w.to(x.dtype))
+        return y.reshape(b, s, h), router_logits
+
+
+class Qwen2MoeSparseMoeBlock(nn.Module):   # transformers 4.x: + norm_topk_prob, shared expert
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = 2, False
+        self.gate = nn.Linear(H, 4, bias=False)
+        self.experts = nn.ModuleList(_MLP(("gate_proj", "up_proj", "down_proj")) for _ in range(4))
+        self.shared_expert = _MLP(("gate_proj", "up_proj", "down_proj"))
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        router_logits = self.gate(x)
+        w, sel = torch.topk(F.softmax(router_logits, dim=1, dtype=torch.float), self.top_k, -1)
+        y = _expert_loop(self.experts, x, sel, w.to(x.dtype))
+        y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(b, s, h), router_logits
+
+
+class _DeepseekRouter(nn.Module):          # transformers 4.x: returns (topk_indices, topk_weights)
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.randn(8, H) * H ** -0.5)
+
+    def forward(self, hidden_states):
+        scores = F.linear(hidden_states.view(-1, H).float(), self.weight.float()).sigmoid()
+        idx = scores.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        return idx, w / w.sum(dim=-1, keepdim=True) * 2.5
+
+
+class DeepseekV3MoE(nn.Module):            # transformers 4.x: forward calls self.moe(...)
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(_MLP(("gate_proj", "up_proj", "down_proj")) for _ in range(8))
+        self.gate = _DeepseekRouter()
+        self.shared_experts = _MLP(("gate_proj", "up_proj", "down_proj"))
+
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        return _expert_loop(self.experts, hidden_states, topk_indices, topk_weights)
+
+    def forward(self, hidden_states):
+        residuals, shape = hidden_states, hidden_states.shape
+        topk_indices, topk_weights = self.gate(hidden_states)
+        y = self.moe(hidden_states.view(-1, shape[-1]), topk_indices, topk_weights).view(*shape)
+        return y + self.shared_experts(residuals)
+
+
+@pytest.mark.parametrize("cls", [MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock, DeepseekV3MoE])
+def test_transformers_4_blocks(cls, gen):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        block = cls().to(torch.bfloat16).eval()
+    x = torch.randn(2, 8, H, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+    replace_moe_blocks(block, block_m=16)
+    assert isinstance(block.experts, MegaMoEExperts)
+    with torch.no_grad():
+        got = block(x)
+    _assert_same_structure(got, want)
+    if isinstance(want, tuple):
+        assert torch.equal(got[1], want[1])   # the router logits: the block's own gate
+        got, want = got[0], want[0]
+    assert rel_error(got, want) <= TOL
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+class MyMoeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, 4, bias=False)
+        self.experts = nn.ModuleList(_MLP(("w1", "w3", "w2")) for _ in range(4))
+
+
+def test_unknown_moe_block_is_named_and_nothing_changes(gen):
+    block = _qwen3_block(gen)
+    experts = block.experts
+    model = nn.Sequential(block, MyMoeBlock())
+    with pytest.raises(ValueError, match=r"MyMoeBlock.*supported block classes: Mixtral"):
+        replace_moe_blocks(model)
+    assert block.experts is experts
+
+
+def test_bad_arguments_and_unsupported_blocks(gen):
+    block = _qwen3_block(gen)
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16"):
+        replace_moe_blocks(block, dtype=torch.float16)
+    with pytest.raises(ValueError, match="buffer_tokens must be a positive int"):
+        replace_moe_blocks(block, buffer_tokens=0)
+    with pytest.raises(ValueError, match="found no MoE block in Sequential"):
+        replace_moe_blocks(nn.Sequential(nn.Linear(H, H)))
+    block.experts.act_fn = nn.GELU()
+    with pytest.raises(ValueError, match=r"Qwen3MoeSparseMoeBlock.*GELU"):
+        replace_moe_blocks(block)
+    legacy = MixtralSparseMoeBlock()
+    legacy.experts[1].w2 = nn.Linear(I_MOE, H, bias=True)
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.*expert 1.w2 has a bias"):
+        replace_moe_blocks(legacy)
+    narrow = MixtralSparseMoeBlock()
+    narrow.experts = nn.ModuleList(_MLP(("w1", "w3", "w2"), inter=96) for _ in range(4))
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.*intermediate must be a "
+                                         r"multiple of 128"):
+        replace_moe_blocks(narrow)
+
+
+def test_training_through_the_experts_is_refused(gen):
+    block = _qwen3_block(gen)
+    replace_moe_blocks(block, block_m=16)
+    block.train()
+    x = torch.randn(1, 2, H, generator=gen).to(torch.bfloat16).requires_grad_()
+    with pytest.raises(ValueError, match="inference only"):
+        block(x)
