@@ -18,7 +18,7 @@ RESULTS ?= benchmarks/results
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(CPU_PINS)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,hf]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -54,7 +54,13 @@ def test_from_shape_and_unknown_shape():
 
 def test_packed_source_bound_is_checked():
     # (source rank, token, k) of a pool row is packed into one int32
-    cfg = MoEConfig(**{**BASE, "max_tokens_per_rank": 2**20, "top_k": 8, "num_experts": 256})
+    cfg = MoEConfig(**{**BASE, "hidden": 128, "max_tokens_per_rank": 2**20, "top_k": 8,
+                       "num_experts": 256})
     cfg.check_ranks(128)
-    with pytest.raises(ValueError, match="below 2\\*\\*31"):
+    with pytest.raises(ValueError, match="num_ranks \\* max_tokens_per_rank \\* top_k"):
         cfg.check_ranks(256)
+    # combine slots [T, K, H] are addressed with int32 offsets
+    big = MoEConfig(**{**BASE, "hidden": 7168, "max_tokens_per_rank": 2**16, "top_k": 8,
+                       "num_experts": 256})
+    with pytest.raises(ValueError, match="max_tokens_per_rank \\* top_k \\* hidden"):
+        big.check_ranks(1)

@@ -257,6 +257,19 @@ def test_long_inputs_are_chunked_on_one_rank(gen):
         assert rel_error(block(x), want) <= TOL
 
 
+def test_fp32_blocks_and_empty_batches(gen):
+    block = _qwen3_block(gen).float()
+    x = torch.randn(2, 8, H, generator=gen)
+    with torch.no_grad():
+        want = block(x)
+    replace_moe_blocks(block, block_m=16)
+    with torch.no_grad():
+        got = block(x)
+        empty = block(x[:, :0])
+    assert got.dtype == torch.float32 and rel_error(got, want) <= TOL   # bf16 inside
+    assert empty.shape == (2, 0, H) and empty.dtype == torch.float32
+
+
 # ---- transformers 4.x layouts (per-expert Linears), rebuilt from the 4.57 source -------------
 
 class _MLP(nn.Module):
