@@ -15,7 +15,7 @@ if has env; then
   python3 -m moestream.cli check 2>&1 | tee -a "$OUT/env.txt"
 fi
 if has test; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m "gpu or multigpu" tests -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" tests -p no:cacheprovider \
     --timeout 240 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 fi
 if has run; then

@@ -41,6 +41,7 @@ class Tuning:
         the staged path (``for_buffer`` turns them off on GPUs); tests keep them on.
     done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
         kernels/gemm.py; measured faster) or "sys".
+    wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
     """
 
     programs: int = 0
@@ -57,6 +58,7 @@ class Tuning:
     use_tma: bool | None = None
     wait: bool = True
     done_scope: str = "gpu"
+    wave_blocks: int | None = None
 
     @classmethod
     def hopper(cls, block_m: int) -> "Tuning":
@@ -209,9 +211,9 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
         off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
-        off["off_num_waves"], c.R, c.E_LOC, cfg.block_m, cfg.intermediate // tuning.l1_tile(cfg)[0],
-        wave_blocks(buffer), R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256,
-        USE_TIMER=not INTERPRET)
+        off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
+        cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
+        R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256, USE_TIMER=not INTERPRET)
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
