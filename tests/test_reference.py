@@ -59,10 +59,13 @@ def test_ranks_view_equals_global_view(gen):
     Ts = [5, 0, 8]   # a rank with no tokens
     xs = [make_tokens(T, 128, generator=gen) for T in Ts]
     rts = [make_routing(T, 6, 2, generator=gen) for T in Ts]
-    ys = moe_forward_ranks(xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s)
+    ys = moe_forward_ranks(xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s,
+                           out_dtype=torch.float32)
     assert [y.shape[0] for y in ys] == Ts
-    full = moe_forward(xs[2], rts[2][0], rts[2][1], torch.cat(w13s), torch.cat(w2s))
-    assert torch.equal(ys[2], full)
+    full = moe_forward(xs[2], rts[2][0], rts[2][1], torch.cat(w13s), torch.cat(w2s),
+                       out_dtype=torch.float32)
+    # the same math on a different batch: equal up to fp32 summation order
+    assert rel_error(ys[2], full) < 1e-5
 
 
 def test_softmax_route_picks_largest_and_renormalises(gen):
