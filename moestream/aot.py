@@ -83,7 +83,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90) -> list[dict]:
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
         key = f"{self.fn.__name__}[{kwargs.get('num_warps', 4)}w{kwargs.get('num_stages', 3)}s]"
-        compiled.setdefault(key, (self.fn.__name__, kernel, kwargs))
+        compiled.setdefault(key, (self.fn.__name__, kernel))
 
     JITFunction.run = compile_only
     try:
@@ -106,7 +106,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90) -> list[dict]:
         JITFunction.run = original_run
         driver._active = None   # back to "whatever the machine has" (reset_active needs one)
     out = []
-    for key, (name, kernel, kwargs) in sorted(compiled.items()):
+    for key, (name, kernel) in sorted(compiled.items()):
         md = kernel.metadata
         out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
                         shared_bytes=md.shared, **_sass_facts(kernel.asm["cubin"])))

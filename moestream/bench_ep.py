@@ -115,12 +115,12 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             agrees=None if err is None else bool(err < 2 * TOLERANCE["bf16"])))
                 if buf is not None:
                     buf.check()
-                del graphs
+                graphs = None   # free the captured graphs' memory pools
                 if progress is not None:
                     progress.advance(task)
             if buf is not None:
                 buf.destroy()
-            del w13, w2
+            w13 = w2 = None   # this shape's weights go before the next shape's arrive
             torch.cuda.empty_cache()
     finally:
         if progress is not None:

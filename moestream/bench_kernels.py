@@ -156,8 +156,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):
                 rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
                                  l1_rel_error=err))
-            buf.destroy()
-            del buf
+            buf.destroy()   # before the next variant allocates its own
             if progress:
                 progress()
         # torch on the same tokens
@@ -176,6 +175,6 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                                         ("l2", torch_l2, l2_flops, l2_bytes)):
             t = time_cuda(fn, warmup=warmup, reps=reps)
             rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts))
-        del packed, acts
+        packed = acts = None
         torch.cuda.empty_cache()
     return rows

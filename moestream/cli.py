@@ -205,7 +205,7 @@ def _ints(s: str) -> list[int]:
     try:
         return [int(v) for v in s.split(",") if v]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
 def _names(s: str) -> list[str]:

@@ -17,7 +17,7 @@ from .checks import check_expert_weights, check_routing, check_tensor, check_top
 __all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
 
-def _prepare_rank(buffer: SymmBuffer, r: int, x: torch.Tensor, topk_idx: torch.Tensor,
+def _prepare_rank(buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   *, validate: bool, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = buffer.config
@@ -44,8 +44,9 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
                      ) -> list[torch.Tensor]:
     """The expert-parallel layer for R virtual ranks held by one process.
 
-    Runs the staged kernels (publish, signal, layout, dispatch, L1, L2, combine: one launch
-    each, all ranks per launch) and then checks the kernels' diagnostics, which synchronises
+    Runs the kernels (staged: publish, signal, layout, dispatch, L1, L2, combine, one launch
+    each; fused: the last four in one launch), every launch serving all R ranks, and then
+    checks the kernels' diagnostics, which synchronises
     with the device (this is a development and test path; the per-rank ``mega_moe`` is the
     one without host synchronisation).
 
@@ -75,7 +76,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"{name} must be a list with one entry per rank ({R}), got {got}")
     idxs, ws = [], []
     for r in range(R):
-        i, w = _prepare_rank(buffer, r, xs[r], topk_idxs[r], topk_weights[r], w13s[r], w2s[r],
+        i, w = _prepare_rank(buffer, xs[r], topk_idxs[r], topk_weights[r], w13s[r], w2s[r],
                              validate=validate, prefix=f"rank {r}: ")
         idxs.append(i)
         ws.append(w)
@@ -141,7 +142,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError("buffer must be a SymmBuffer(config, group=...) for this rank (or a "
                          "virtual SymmBuffer with num_ranks=1); for several virtual ranks use "
                          "mega_moe_virtual")
-    topk_idx, topk_weights = _prepare_rank(buffer, 0, x, topk_idx, topk_weights, w13, w2,
+    topk_idx, topk_weights = _prepare_rank(buffer, x, topk_idx, topk_weights, w13, w2,
                                            validate=validate, prefix="")
     capturing = buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing:

@@ -115,7 +115,7 @@ def _worker_dispatch_exact(rank, world, seed):
 
 def _worker_many_calls(rank, world, seed, calls):
     import torch.distributed as dist
-    from moestream import MegaMoE, mega_moe
+    from moestream import MegaMoE
     from moestream.testing import make_routing, make_tokens, rel_error
     dev = torch.device("cuda", rank)
     cfg_a = _cfg()
