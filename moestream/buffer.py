@@ -93,7 +93,10 @@ class SymmBuffer:
         if self.max_spins <= 0:
             raise ValueError(f"timeout_spins must be positive, got {timeout_spins}")
         self.timeout_s = timeout_s
-        self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # diag words copied back after each call (pinned host memory and an event, made once)
+        self._diag_host: torch.Tensor | None = None
+        self._diag_event = None
+        self._pending = False
 
     def _init_group(self, config: MoEConfig, group, device) -> list[int]:
         import torch.distributed as dist
@@ -212,30 +215,30 @@ class SymmBuffer:
 
     def check(self) -> None:
         """Raise for anything the kernels reported so far (synchronises with the device)."""
-        self._pending.clear()
+        self._pending = False
         self._raise_for([self.view("diag", lr).tolist() for lr in range(self.local_ranks)])
 
     def after_call(self) -> None:
         """Start an asynchronous copy of the diag words; ``poll`` inspects it later."""
         if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        host = torch.empty(self.local_ranks, len(DIAG_FIELDS), dtype=torch.int32,
-                           pin_memory=True)
+        if self._diag_host is None:
+            self._diag_host = torch.empty(self.local_ranks, len(DIAG_FIELDS), dtype=torch.int32,
+                                          pin_memory=True)
+            self._diag_event = torch.cuda.Event()
+        # Stream order: this copy lands after any earlier one, and poll reads the host copy
+        # only once the event of the latest copy has completed.
         for lr in range(self.local_ranks):
-            host[lr].copy_(self.view("diag", lr), non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._pending = [(ev, host)]
+            self._diag_host[lr].copy_(self.view("diag", lr), non_blocking=True)
+        self._diag_event.record()
+        self._pending = True
 
     def poll(self) -> None:
         """Raise for a stall or bad input of an earlier call whose diag copy has arrived,
         without waiting for the device."""
-        if not self._pending:
-            return
-        ev, host = self._pending[0]
-        if ev.query():
-            self._pending.clear()
-            self._raise_for(host.tolist())
+        if self._pending and self._diag_event.query():
+            self._pending = False
+            self._raise_for(self._diag_host.tolist())
 
     def destroy(self) -> None:
         """Release the memory (collective in the real form)."""

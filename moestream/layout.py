@@ -11,9 +11,10 @@ calls, since every call waits for every peer's ready flag of that call):
     workspace  epoch, ready, diag             control words (local epoch, published epoch,
                                               first stall's diagnostic)
                num_tokens [2], send_counts [2, E]   published with the inputs (peers read)
-               expert_count, block_start, src_row, block_meta   this rank's pool layout,
-                                                    computed on device every call
-               arrival, l1_done, l2_done, combine_flag   counters, zeroed at every call
+               expert_count, block_start, src_row, src_tokens, block_meta, wave_mb,
+               num_waves                      this rank's pool layout and expert waves,
+                                              computed on device every call
+               arrival, l1_done, l2_done, tickets, combine_flag   zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
     act        pool_act [P, I]                                 L1 output (SwiGLU x weight)

@@ -70,19 +70,6 @@ class PoolLayout:
     def experts_per_rank(self) -> int:
         return self.expert_count.shape[1]
 
-    def valid_m(self) -> torch.Tensor:
-        """[R, max m-blocks] valid rows of every m-block (0 past the last block)."""
-        R, E_loc = self.expert_count.shape
-        n_blocks = int(self.block_start[:, -1].max()) if R else 0
-        out = torch.zeros(R, n_blocks, dtype=torch.int64, device=self.expert_count.device)
-        for d in range(R):
-            for e in range(E_loc):
-                b0, b1 = int(self.block_start[d, e]), int(self.block_start[d, e + 1])
-                rows = int(self.expert_count[d, e])
-                for b in range(b0, b1):
-                    out[d, b] = min(self.block_m, rows - (b - b0) * self.block_m)
-        return out
-
 
 def pool_layout(counts: torch.Tensor, *, block_m: int) -> PoolLayout:
     """Pool layout of every destination rank from the per-source counts.
