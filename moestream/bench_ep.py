@@ -14,6 +14,7 @@ never timed as fast.
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -88,8 +89,19 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 if "staged-graph" in providers:
                     graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf))
                     fns["staged-graph"] = lambda i: graphs[i][0].replay()
-                # agreement check on the first input set before timing anything
-                outs = {p: fns[p](sets[0]) for p in providers if p != "staged-graph"}
+                # agreement check on the first input set before timing anything; the first
+                # call of a provider also compiles its kernels (reported, so a slow compile is
+                # never mistaken for a hang)
+                outs, first_s = {}, {}
+                for p in providers:
+                    if p != "staged-graph":
+                        t0 = time.perf_counter()
+                        outs[p] = fns[p](sets[0])
+                        torch.cuda.synchronize()
+                        first_s[p] = time.perf_counter() - t0
+                if progress is not None:
+                    progress.console.print(f"{shape} T={T}: first calls " + ", ".join(
+                        f"{p} {s:.1f}s" for p, s in first_s.items()))
                 if graphs:
                     graphs[0][0].replay()
                     outs["staged-graph"] = graphs[0][1]
@@ -113,6 +125,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             routing="skewed" if skew else "uniform",
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < 2 * TOLERANCE["bf16"])))
+                        progress.console.print(
+                            f"{shape} T={T} {p}: {stats['median_us']:.1f} us"
+                            + ("" if err is None else f" (rel diff vs torch {err:.1e})"))
                 if buf is not None:
                     buf.check()
                 graphs = None   # free the captured graphs' memory pools
