@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,ep (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,ep,trace,sweep (default env,test,gemm,ep)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -15,7 +15,7 @@ if has env; then
   python3 -m moestream.cli check 2>&1 | tee -a "$OUT/env.txt"
 fi
 if has test; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" tests -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" ${TESTS:-tests} -p no:cacheprovider \
     --timeout 240 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 fi
 if has run; then
@@ -30,4 +30,17 @@ if has ep; then
   timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
     --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
     2>&1 | tee "$OUT/ep.log" | tail -40
+fi
+if has trace; then
+  for spec in ${TRACES:-qwen3:8192:token dsv3:2048:token}; do
+    IFS=: read -r shape tokens gran <<< "$spec"
+    timeout ${TRACE_TIMEOUT:-120} python3 -m moestream.cli trace --shape $shape --tokens $tokens \
+      --granularity $gran --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
+      --json "$OUT/trace_${shape}_${tokens}_${gran}.json" 2>&1 | tee -a "$OUT/trace.log" | tail -12
+  done
+fi
+if has sweep; then
+  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/fused_sweep.py --shapes ${SWEEP_SHAPES:-qwen3,dsv3} \
+    --tokens ${SWEEP_TOKENS:-128,8192} ${SWEEP_VARIANTS:+--variants $SWEEP_VARIANTS} \
+    --out "$OUT/fused_sweep.jsonl" 2>&1 | tee "$OUT/sweep.log" | tail -30
 fi

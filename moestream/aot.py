@@ -62,9 +62,11 @@ def _sass_facts(cubin: bytes) -> dict:
                 hmma=len(re.findall(r"\bHMMA\b", sass)))
 
 
-def compile_layer(*, shape: str = "dsv3", capability: int = 90) -> list[dict]:
-    """Run the staged and the fused path of a small call of ``shape`` with launches replaced
-    by compile-only calls; one dict per distinct compiled kernel."""
+def compile_layer(*, shape: str = "dsv3", capability: int = 90,
+                  variants: dict[str, dict] | None = None) -> list[dict]:
+    """Run the staged and the fused path (token and chunked mode) of a small call of
+    ``shape`` with launches replaced by compile-only calls; one dict per distinct compiled
+    kernel. ``variants``: name -> ``stages.Tuning`` fields, each also compiled (fused path)."""
     if os.environ.get("TRITON_INTERPRET") != "0":
         raise RuntimeError("set TRITON_INTERPRET=0 before importing triton/moestream")
     import torch
@@ -79,11 +81,12 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90) -> list[dict]:
     driver.set_active(_CompileOnlyDriver(capability))
     compiled: dict[str, tuple] = {}
     original_run = JITFunction.run
+    label = [""]
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
         key = f"{self.fn.__name__}[{kwargs.get('num_warps', 4)}w{kwargs.get('num_stages', 3)}s]"
-        compiled.setdefault(key, (self.fn.__name__, kernel))
+        compiled.setdefault(key + label[0], (self.fn.__name__, kernel))
 
     JITFunction.run = compile_only
     try:
@@ -102,6 +105,12 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90) -> list[dict]:
             stages.run_fused(*args, tuning=tuning)
             trace = torch.empty(8, 8, dtype=torch.int64)
             stages.run_fused(*args, tuning=tuning, trace=trace)
+            label[0] = " chunked"
+            stages.run_fused(*args, tuning=tuning, granularity=2 * cfg.block_m)
+            for name, fields in (variants or {}).items():
+                label[0] = f" {name}"
+                stages.run_fused(*args, tuning=stages.Tuning(**{**tuning.__dict__, **fields}))
+            label[0] = ""
     finally:
         JITFunction.run = original_run
         driver._active = None   # back to "whatever the machine has" (reset_active needs one)

@@ -5,6 +5,9 @@ Providers, measured in the same run on the same inputs:
     staged-graph  the same calls captured once per input set in a CUDA graph and replayed
                   (how an inference engine runs a decode step: no Python launch overhead)
     fused         mega_moe(impl="fused"): dispatch, L1, L2 and combine in one persistent launch
+    fused-graph   the same, replayed from CUDA graphs
+    chunk<C>      the fused launch in chunked mode (granularity=C tokens, a multiple of block_m,
+                  or chunkexpert: whole experts), replayed from CUDA graphs like fused-graph
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
@@ -21,7 +24,28 @@ import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
-PROVIDERS = ("staged", "staged-graph", "fused", "torch")
+PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch")
+
+
+def _granularity(provider: str) -> int | str | None:
+    """The chunked-mode granularity a ``chunk<C>`` provider names (None: not a chunk one)."""
+    if not provider.startswith("chunk"):
+        return None
+    c = provider[len("chunk"):]
+    if c == "expert":
+        return "expert"
+    if c.isdigit() and int(c) > 0:
+        return int(c)
+    raise ValueError(f"chunked provider must be chunk<C> (C a positive multiple of block_m) "
+                     f"or chunkexpert, got {provider!r}")
+
+
+def check_providers(providers: Sequence[str]) -> None:
+    """ValueError naming any provider this benchmark does not know."""
+    unknown = [p for p in providers if p not in PROVIDERS and _granularity(p) is None]
+    if unknown:
+        raise ValueError(f"unknown providers {unknown}; known: {PROVIDERS} and chunk<C>, "
+                         "chunkexpert")
 
 
 def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
@@ -33,6 +57,11 @@ def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, se
                               skew=skew)
         out.append((x, idx, w))
     return out
+
+
+def _replayed(provider: str) -> bool:
+    """Providers timed as CUDA-graph replays."""
+    return provider.endswith("-graph") or _granularity(provider) is not None
 
 
 def _capture(sets, fn) -> list:
@@ -79,32 +108,37 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
             for T in tokens:
                 sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
-                fns = {
-                    "staged": lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf),
-                    "fused": lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl="fused"),
+                def ours(impl, granularity="token"):
+                    return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
+                                              granularity=granularity)
+                calls = {
+                    "staged": ours("staged"), "staged-graph": ours("staged"),
+                    "fused": ours("fused"), "fused-graph": ours("fused"),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }
-                graphs = []
-                if "staged-graph" in providers:
-                    graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf))
-                    fns["staged-graph"] = lambda i: graphs[i][0].replay()
+                for p in providers:
+                    if _granularity(p) is not None:
+                        calls[p] = ours("fused", _granularity(p))
                 # agreement check on the first input set before timing anything; the first
                 # call of a provider also compiles its kernels (reported, so a slow compile is
                 # never mistaken for a hang)
-                outs, first_s = {}, {}
+                outs, first_s, fns, graphs = {}, {}, {}, {}
                 for p in providers:
-                    if p != "staged-graph":
-                        t0 = time.perf_counter()
-                        outs[p] = fns[p](sets[0])
-                        torch.cuda.synchronize()
-                        first_s[p] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if _replayed(p):   # one CUDA graph per input set, replayed by index
+                        graphs[p] = _capture(sets, calls[p])
+                        graphs[p][0][0].replay()
+                        outs[p] = graphs[p][0][1]
+                        fns[p] = lambda i, g=graphs[p]: g[i][0].replay()
+                    else:
+                        outs[p] = calls[p](sets[0])
+                        fns[p] = calls[p]
+                    torch.cuda.synchronize()
+                    first_s[p] = time.perf_counter() - t0
                 if progress is not None:
                     progress.console.print(f"{shape} T={T}: first calls " + ", ".join(
                         f"{p} {s:.1f}s" for p, s in first_s.items()))
-                if graphs:
-                    graphs[0][0].replay()
-                    outs["staged-graph"] = graphs[0][1]
                 agree = {}
                 if "torch" in outs:
                     for p in providers:
@@ -114,7 +148,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     buf.check()
                 for p in providers:
                     dist.barrier()
-                    rotate = list(range(len(sets))) if p == "staged-graph" else sets
+                    rotate = list(range(len(sets))) if _replayed(p) else sets
                     stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=rotate))
                     if rank == 0:
                         err = agree.get(p)
@@ -149,9 +183,7 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
                  timeout_s: float = 3000) -> list[dict]:
     """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank)."""
     from .distributed import spawn
-    unknown = [p for p in providers if p not in PROVIDERS]
-    if unknown:
-        raise ValueError(f"unknown providers {unknown}; known: {PROVIDERS}")
+    check_providers(providers)
     world = world or torch.cuda.device_count()
     if world < 1:
         raise ValueError("the EP benchmark needs at least one CUDA GPU")

@@ -4,6 +4,7 @@
     moestream check      what this install can do (versions, GPUs, symmetric memory)
     moestream bench      benchmarks: EP layer across all GPUs, or --virtual-ranks R for the GEMMs
     moestream simulate   the discrete-event model of token vs chunk streaming at scale
+    moestream probe      measure this machine's calibration for the simulator (GPU)
 """
 from __future__ import annotations
 
@@ -257,6 +258,71 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- trace --------------------------------------------------------------------------------
+
+def _granularity_arg(s: str) -> int | str:
+    return int(s) if s.isdigit() else s
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from rich.table import Table
+
+    from .trace import PHASES, plot_timeline, run_trace, summarize
+
+    con = _console()
+    if not torch.cuda.is_available():
+        con.print("[red]moestream trace needs CUDA GPUs[/] (the interpreter has no clock; the "
+                  "tests cover the trace rows on the CPU)")
+        return 2
+    with con.status(f"tracing {args.shape}, {args.tokens} tokens/rank, {args.granularity}"):
+        rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks or None,
+                         granularity=args.granularity, seed=args.seed)
+    summary = summarize(rows)
+    t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
+                    f"granularity {args.granularity}")
+    for c in ["rank", "layer µs"] + [f"{p} µs (tasks)" for p in PHASES] + [
+            "comm hidden", "L1 during dispatch", "L2 during L1"]:
+        t.add_column(c, justify="right")
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    for s in summary:
+        ph = [f"{s['phases'][p]['start_us'] or 0:.0f}-{s['phases'][p]['end_us'] or 0:.0f} "
+              f"({s['phases'][p]['tasks']})" for p in PHASES]
+        t.add_row(str(s["rank"]), f"{s['layer_us']:.0f}", *ph, pct(s["comm_hidden"]),
+                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]))
+    con.print(t)
+    plot_timeline(rows, args.out, title=f"{args.shape}, {args.tokens} tokens/rank, "
+                                        f"{torch.cuda.device_count()} GPUs, {args.granularity}")
+    con.print(f"timeline saved to {args.out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=args.shape, tokens_per_rank=args.tokens,
+                           granularity=args.granularity, summary=summary,
+                           rows=rows.tolist()), f)
+        con.print(f"rows and summary saved to {args.json}")
+    return 0
+
+
+# ---- probe ------------------------------------------------------------------------------
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from .probe import ProbeError, calibration_table, run_probe
+
+    con = _console()
+    try:
+        calib = run_probe(out=args.out, quick=args.quick, gemm_providers=args.gemm_providers,
+                          devices=tuple(args.devices), console=con)
+    except (ProbeError, ValueError) as exc:
+        print(f"moestream probe: error: {exc}", file=sys.stderr)
+        return 2
+    con.print(calibration_table(calib))
+    con.print(f"note: {calib['note']}")
+    con.print(f"calibration written to {args.out} (use: moestream simulate --calib {args.out})")
+    return 0
+
+
 # ---- entry --------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,6 +354,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="JSON-lines file the rows are appended to")
     b.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
     b.set_defaults(fn=cmd_bench)
+
+    tr = sub.add_parser("trace", help="timeline of one fused-kernel call (GPU)")
+    tr.add_argument("--shape", default="qwen3")
+    tr.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    tr.add_argument("--granularity", type=_granularity_arg, default="token",
+                    help="token, a chunk size C (multiple of block_m) or expert")
+    tr.add_argument("--ranks", type=int, default=0, help="GPUs (default: all)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default="trace.png", help="timeline PNG")
+    tr.add_argument("--json", default=None, help="also save the rows and the summary")
+    tr.set_defaults(fn=cmd_trace)
+
+    pr = sub.add_parser("probe", help="measure this machine's calibration for the simulator")
+    pr.add_argument("--quick", action="store_true", help="the ~1 minute probe")
+    pr.add_argument("--out", default="benchmarks/results/calib_probe.json",
+                    help="calibration JSON to write (default benchmarks/results/calib_probe.json)")
+    pr.add_argument("--gemm-providers", type=_names, default=["torch", "triton"],
+                    help="grouped-GEMM curves: torch (torch._grouped_mm), triton (our L1)")
+    pr.add_argument("--devices", type=_ints, default=[0, 1],
+                    help="reader GPU and peer GPU (default 0,1)")
+    pr.set_defaults(fn=cmd_probe)
 
     try:
         from .sim.cli import add_parser as add_sim

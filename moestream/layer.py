@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -40,8 +41,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
                      topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
                      w2s: Sequence[torch.Tensor], buffer: SymmBuffer, *,
                      out: torch.Tensor | None = None, validate: bool = True,
-                     impl: str = "staged", tuning: stages.Tuning | None = None
-                     ) -> list[torch.Tensor]:
+                     impl: str = "staged", tuning: stages.Tuning | None = None,
+                     granularity: int | str = "token") -> list[torch.Tensor]:
     """The expert-parallel layer for R virtual ranks held by one process.
 
     Runs the kernels (staged: publish, signal, layout, dispatch, L1, L2, combine, one launch
@@ -61,6 +62,10 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
         validate: check topk id ranges on the host before launching (a synchronisation).
         impl: "staged" (one launch per stage) or "fused" (dispatch, L1, L2 and combine in one
             persistent launch; see kernels/fused.py).
+        tuning: launch shapes (``stages.Tuning``; None = the defaults for this device).
+        granularity: streaming mode of the fused launch: "token" (default), C (chunked: C
+            tokens per dispatch task, L1 waits for C-row chunks; a multiple of block_m) or
+            "expert" (L1 waits for the whole expert). "token" only with impl="staged".
 
     Returns:
         y per rank, [T_r, H] bf16 (views into ``out`` or a fresh tensor).
@@ -93,7 +98,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    _runner(impl)(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
+    _runner(impl, granularity, buffer.config.block_m)(buffer, xs, idxs, ws, w13s, w2s, out,
+                                                      tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
 
@@ -101,18 +107,25 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
 IMPLS = ("staged", "fused")
 
 
-def _runner(impl: str):
+def _runner(impl: str, granularity: int | str, block_m: int):
+    """The run function of ``impl`` in streaming mode ``granularity`` (checked here, before
+    anything is launched)."""
     if impl == "staged":
+        if granularity != "token":
+            raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
+                             "streams tokens only)")
         return stages.run_staged
     if impl == "fused":
-        return stages.run_fused
+        stages.Tuning().with_granularity(granularity, block_m)   # ValueError if malformed
+        return functools.partial(stages.run_fused, granularity=granularity)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              w13: torch.Tensor, w2: torch.Tensor, buffer: SymmBuffer, *,
              out: torch.Tensor | None = None, validate: bool = False,
-             impl: str = "staged", tuning: stages.Tuning | None = None) -> torch.Tensor:
+             impl: str = "staged", tuning: stages.Tuning | None = None,
+             granularity: int | str = "token") -> torch.Tensor:
     """The expert-parallel MoE layer for the calling rank.
 
     Collective: every rank of the buffer's group calls it the same number of times, in the
@@ -133,7 +146,11 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             outside [-1, E) are ignored by the kernels and reported as a ValueError by a later
             call (or ``buffer.check()``).
         impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
-            dispatch, L1, L2 and combine; not yet measured on GPUs).
+            dispatch, L1, L2 and combine).
+        tuning: launch shapes (``stages.Tuning``; None = the defaults for this device).
+        granularity: streaming mode of the fused launch: "token" (default), C (chunked,
+            DeepEP-normal style: C tokens per dispatch task, L1 waits for C-row chunks of an
+            expert; a multiple of block_m) or "expert" (L1 waits for the whole expert).
 
     Returns:
         y: [T, H] bf16, sum over k of topk_weights * expert(x).
@@ -154,7 +171,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    run = _runner(impl)
+    run = _runner(impl, granularity, buffer.config.block_m)
     run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now

@@ -29,6 +29,13 @@ __all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "com
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
 
+# chunked modes (Tuning.with_granularity): tokens a chunk's dispatch task moves at once, the
+# "expert" mode's dispatch task size and its chunk (more m-blocks than any expert has)
+CHUNK_TILE = 4
+EXPERT_CHUNK_TOKENS = 256
+EXPERT_CHUNK_BLOCKS = 1 << 30
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch shapes, free to change per call (the data layout depends only on block_m).
@@ -42,6 +49,11 @@ class Tuning:
     done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
         kernels/gemm.py; measured faster) or "sys".
     wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
+    fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
+    dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
+    dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight).
+    chunk_blocks: m-blocks of an expert an L1 block waits for in the fused launch (1: only
+        its own block, the token-granular mode; see ``granularity``).
     """
 
     programs: int = 0
@@ -59,6 +71,11 @@ class Tuning:
     wait: bool = True
     done_scope: str = "gpu"
     wave_blocks: int | None = None
+    fused_warps: int | None = None
+    fused_stages: int | None = None
+    dispatch_tokens: int = 1
+    dispatch_tile: int = 1
+    chunk_blocks: int = 1
 
     @classmethod
     def hopper(cls, block_m: int) -> "Tuning":
@@ -94,6 +111,37 @@ class Tuning:
         while bn > 32 and touched * (cfg.intermediate // bn) < sms:
             bn //= 2
         return replace(t, l1_block_n=bn)
+
+    def __post_init__(self):
+        for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Tuning.{name} must be a positive int, got {v!r}")
+        if self.dispatch_tile & (self.dispatch_tile - 1):
+            raise ValueError(f"Tuning.dispatch_tile must be a power of two, got "
+                             f"{self.dispatch_tile}")
+
+    def with_granularity(self, granularity: "int | str", block_m: int) -> "Tuning":
+        """This tuning in a streaming mode of the fused launch (see ``mega_moe``):
+
+        "token"   dispatch tasks of one token; an L1 block waits for its own m-block only.
+        C (int)   chunked, DeepEP-normal style: dispatch tasks of C source tokens, and an L1
+                  block waits for the whole chunk of C rows (C / block_m m-blocks) of its
+                  expert. C must be a positive multiple of block_m.
+        "expert"  an L1 block waits for every row of its expert; dispatch tasks of
+                  EXPERT_CHUNK_TOKENS source tokens.
+        """
+        if granularity == "token":
+            return self
+        if granularity == "expert":
+            return replace(self, chunk_blocks=EXPERT_CHUNK_BLOCKS,
+                           dispatch_tokens=EXPERT_CHUNK_TOKENS, dispatch_tile=CHUNK_TILE)
+        if isinstance(granularity, bool) or not isinstance(granularity, int) \
+                or granularity < block_m or granularity % block_m:
+            raise ValueError(f"granularity must be 'token', 'expert' or a positive multiple "
+                             f"of block_m={block_m} (tokens per chunk), got {granularity!r}")
+        return replace(self, chunk_blocks=granularity // block_m, dispatch_tokens=granularity,
+                       dispatch_tile=min(CHUNK_TILE, next_pow2(granularity)))
 
     def l1_tile(self, cfg) -> tuple[int, int]:
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
@@ -341,20 +389,24 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
-        c.P,
+        c.P, tuning.dispatch_tokens, tuning.chunk_blocks,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
-        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), UPCAST=INTERPRET, USE_TMA=tma,
-        USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope, ONE_RANK=nloc == 1,
-        TRACE=trace is not None, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), TT=tuning.dispatch_tile,
+        UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
+        ONE_RANK=nloc == 1, TRACE=trace is not None,
+        **_launch_kw(tuning.fused_warps or tuning.l1_warps,
+                     tuning.fused_stages or tuning.l1_stages))
 
 
 def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
               topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
               w2s: Sequence[torch.Tensor], y: torch.Tensor, *, tuning: Tuning | None = None,
-              trace: torch.Tensor | None = None) -> None:
-    """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H]."""
+              trace: torch.Tensor | None = None, granularity: int | str = "token") -> None:
+    """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H].
+    ``granularity``: the streaming mode (``Tuning.with_granularity``)."""
     tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
+    tuning = tuning.with_granularity(granularity, buffer.config.block_m)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     signal(buffer)

@@ -195,3 +195,15 @@ def test_time_cuda_rejects_bad_arguments() -> None:
 def test_slowest_without_group_is_identity() -> None:
     stats = dict(median_us=3.0, p20_us=2.0, p80_us=4.0)
     assert slowest(stats) == stats
+
+
+def test_ep_bench_provider_names():
+    # chunk<C> providers name the fused launch's chunked mode; typos are a ValueError
+    from moestream.bench_ep import _granularity, _replayed, check_providers
+    assert _granularity("chunk256") == 256 and _granularity("chunkexpert") == "expert"
+    assert _granularity("fused") is None
+    assert _replayed("chunk128") and _replayed("fused-graph") and not _replayed("fused")
+    check_providers(["staged", "fused-graph", "chunk128", "chunkexpert", "torch"])
+    for bad in (["fuse"], ["chunk"], ["chunk-3"], ["chunkx"]):
+        with pytest.raises(ValueError, match="provider"):
+            check_providers(bad)

@@ -165,6 +165,86 @@ def test_layer_matches_reference(device, gen, case, impl):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("granularity", [16, 48, "expert"])
+@pytest.mark.parametrize("case", [
+    # name, R, Ts, config changes; each line says what it stresses
+    ("T=1: a chunk of one row, dispatch task of one token", 2, [1, 1], {}),
+    ("ragged T, chunks end mid-expert and past the last token", 3, [23, 17, 5],
+     {"num_experts": 6}),
+    ("a rank with zero tokens, -1 picks", 2, [0, 21], {"top_k": 3}),
+    ("skewed: one expert holds several chunks", 2, [24, 24], {"top_k": 4}),
+], ids=lambda c: c[0] if isinstance(c, tuple) else str(c))
+def test_chunked_modes_match_reference(device, gen, case, granularity):
+    # the fused launch in its chunked modes: dispatch tasks of C tokens (TT at a time), L1
+    # blocks waiting for whole C-row chunks (C = block_m 16, 3 * block_m, the whole expert)
+    _, R, Ts, changes = case
+    cfg = small_config(**changes)
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.2,
+                             skew=0.3 if "skewed" in case[0] else None)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl="fused",
+                          granularity=granularity)
+    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
+                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
+                             [w.cpu() for w in w2s])
+    for r in range(R):
+        assert not torch.isnan(ys[r]).any(), f"rank {r}: output rows left unwritten"
+        if Ts[r]:
+            err = rel_error(ys[r].cpu(), refs[r])
+            assert err < TOL, f"rank {r}: rel error {err:.2e} >= {TOL}"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tokens, tile", [(3, 2), (5, 8), (24, 4)])
+def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile):
+    # dispatch tasks of several tokens (the last one short, tiles past the task's end masked)
+    # fill the pool exactly as the token-granular tasks do: stamped rows, sources, weights
+    cfg = small_config(num_experts=6, top_k=3)
+    R, Ts = 2, [19, 7]
+    bufs = [SymmBuffer(cfg, num_ranks=R, device=device) for _ in range(2)]
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    tuned = stages.Tuning(dispatch_tokens=tokens, dispatch_tile=tile)
+    for buf, tuning in zip(bufs, (stages.Tuning(), tuned)):
+        poison(buf)
+        y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
+        stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning)
+        buf.check()
+    cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
+    lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
+    want_src = pool_sources(lay, [i.cpu() for i in idxs], [s for _, s in cs],
+                            capacity=cfg.pool_capacity(R), max_tokens=cfg.max_tokens_per_rank)
+    for d in range(R):
+        rows = (want_src[d] >= 0).nonzero().flatten()
+        assert len(rows) > 0
+        for name in ("arrival", "block_meta"):
+            assert torch.equal(bufs[0].view(name, d), bufs[1].view(name, d)), name
+        for name in ("pool_src", "pool_x", "pool_weight"):
+            a, b = bufs[0].view(name, d)[rows], bufs[1].view(name, d)[rows]
+            assert torch.equal(a, b), name
+        assert torch.equal(bufs[1].view("pool_src", d)[rows].cpu(), want_src[d][rows].int())
+        rank_of, tok_of = read_stamp(bufs[1].view("pool_x", d)[rows].cpu())
+        assert torch.equal(rank_of, want_src[d][rows] // (cfg.max_tokens_per_rank * cfg.top_k))
+
+
+def test_bad_granularity_names_what_is_allowed(gen):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=1, device="cpu")
+    xs, idxs, ws = make_case(cfg, 1, [4], gen, "cpu")
+    w13s, w2s = make_weights(cfg, 1, generator=gen)
+    for bad in (8, 0, "chunk", 2.0, True):      # 8: not a multiple of block_m=16
+        with pytest.raises(ValueError, match="multiple of block_m"):
+            mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused", granularity=bad)
+    with pytest.raises(ValueError, match="impl='fused'"):
+        mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="staged", granularity=16)
+    with pytest.raises(ValueError, match="dispatch_tile"):
+        stages.Tuning(dispatch_tile=3)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_consecutive_calls_reuse_buffer(device, gen):
     # epochs, double-buffered inputs and per-call counter resets across calls whose token
     # counts and routings change (including a call where one rank has no tokens), with the

@@ -177,43 +177,56 @@ def layout_kernel(
 
 
 @triton.jit
-def pull_token(table, rank, s, t, par64, T_MAX, H, R, E_LOC, BM, P,
-               off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
-               off_pool_src, off_pool_weight, off_arrival,
-               K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr):
-    """One dispatch task: token ``t`` of source rank ``s`` into ``rank``'s pool.
+def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
+                off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
+                off_pool_src, off_pool_weight, off_arrival,
+                K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr):
+    """One dispatch task: tokens [t0, t0 + n) of source rank ``s`` into ``rank``'s pool, TT
+    tokens at a time (TT = 1: the token-granular task).
 
-    Reads the token's K picks from the source; if any is one of ``rank``'s experts, pulls the
-    row once, stores it in the pool row of each such pick with its source and weight, and
-    release-adds 1 to each of those rows' m-block arrival counters.
+    Per TT tokens: reads their K picks from the source; pulls each token that has a pick of
+    ``rank``'s experts once, stores it in the pool row of each such pick with its source and
+    weight, and release-adds 1 per row to the rows' m-block arrival counters.
     """
     k = tl.arange(0, K_PAD)
     km = k < K
-    meta = par64 * T_MAX * K + t.to(tl.int64) * K + k
-    idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=km, other=-1)
-    le = idx - rank * E_LOC
-    mine = km & (idx >= 0) & (le >= 0) & (le < E_LOC)
-    if tl.sum(mine.to(tl.int32), axis=0) > 0:
-        slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
-        w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine, other=0.0)
-        row = tl.load(peer_ptr(table, rank, off_src_row, tl.int32) + le * R + s, mask=mine,
-                      other=0) + slot
-        mine = mine & (row >= 0) & (row < P)   # a corrupt peer can never write out of bounds
-        row64 = row.to(tl.int64)
-        pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
-        x_src = peer_ptr(table, s, off_x, tl.bfloat16) + (par64 * T_MAX + t.to(tl.int64)) * H
-        for h0 in range(0, H, BH):
-            h = h0 + tl.arange(0, BH)
-            v = tl.load(x_src + h, mask=h < H)
-            tl.store(pool_x + row64[:, None] * H + h[None, :],
-                     tl.broadcast_to(v[None, :], [K_PAD, BH]),
-                     mask=mine[:, None] & (h[None, :] < H))
-        tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row, (s * T_MAX + t) * K + k,
-                 mask=mine)
-        tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w, mask=mine)
-        tl.debug_barrier()  # every thread's row stores precede the release below
-        tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1, mask=mine,
-                      sem="release", scope="gpu")
+    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+    x_src = peer_ptr(table, s, off_x, tl.bfloat16) + par64 * T_MAX * H
+    for i in range(0, n, TT):
+        t = t0 + i + tl.arange(0, TT)
+        tm = t < t0 + n
+        meta = par64 * T_MAX * K + t.to(tl.int64)[:, None] * K + k[None, :]       # [TT, K_PAD]
+        pick = tm[:, None] & km[None, :]
+        idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=pick, other=-1)
+        le = idx - rank * E_LOC
+        mine = pick & (idx >= 0) & (le >= 0) & (le < E_LOC)
+        if tl.sum(tl.sum(mine.to(tl.int32), axis=1), axis=0) > 0:
+            slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
+            w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
+                        other=0.0)
+            row = tl.load(peer_ptr(table, rank, off_src_row, tl.int32) + le * R + s, mask=mine,
+                          other=0) + slot
+            mine = mine & (row >= 0) & (row < P)   # a corrupt peer never writes out of bounds
+            row64 = row.to(tl.int64)
+            wanted = tl.sum(mine.to(tl.int32), axis=1) > 0                           # [TT]
+            t64 = t.to(tl.int64)
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < H
+                v = tl.load(x_src + t64[:, None] * H + h[None, :],
+                            mask=wanted[:, None] & hm[None, :])                     # [TT, BH]
+                for kk in tl.static_range(K):
+                    sel = k[None, :] == kk
+                    r_k = tl.sum(tl.where(sel, row64, 0), axis=1)
+                    m_k = tl.sum(tl.where(sel, mine.to(tl.int32), 0), axis=1) > 0
+                    tl.store(pool_x + r_k[:, None] * H + h[None, :], v,
+                             mask=m_k[:, None] & hm[None, :])
+            tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row,
+                     (s * T_MAX + t[:, None]) * K + k[None, :], mask=mine)
+            tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w, mask=mine)
+            tl.debug_barrier()  # every thread's row stores precede the release below
+            tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1,
+                          mask=mine, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -243,7 +256,7 @@ def dispatch_kernel(
     while ticket < total:
         s = tl.sum((incl <= ticket).to(tl.int32), axis=0)           # source rank of the ticket
         t = ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)     # token on that source
-        pull_token(table, rank, s, t, par64, T_MAX, H, R, E_LOC, BM, P,
-                   off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
-                   off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH)
+        pull_tokens(table, rank, s, t, 1, par64, T_MAX, H, R, E_LOC, BM, P,
+                    off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
+                    off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, 1)
         ticket += nprog

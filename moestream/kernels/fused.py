@@ -3,7 +3,7 @@
 Programs take tickets from an atomic counter, in the dependency order of
 ``moestream.schedule`` (``Schedule.virtual_order`` for the launch's local ranks):
 
-    every dispatch task (local rank, source rank, source token)
+    every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest), then its L2 blocks
     every combine task (local rank, token)
 
@@ -20,7 +20,7 @@ pool layout needs every peer's counts).
 Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
 blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
-(a, b, c) = (source, token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
+(a, b, c) = (source, first token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
 (token, -1, -1) for combine.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from triton.language.extra.cuda import smid
 from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton,
                       wait_at_least)
 from .combine import combine_token
-from .dispatch import pull_token
+from .dispatch import pull_tokens
 from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors
 
 # the moestream.schedule.Phase values
@@ -41,9 +41,10 @@ PHASE_COMBINE = tl.constexpr(3)
 
 
 @triton.jit
-def _sections(table, rank0, NLOC, par64, NB12, off_src_tokens, off_block_start,
+def _sections(table, rank0, NLOC, par64, NB12, DT, off_src_tokens, off_block_start,
               off_num_tokens, R, E_LOC, NLOC_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Per local rank: dispatch tasks, GEMM blocks and combine tasks of this call."""
+    """Per local rank: dispatch tasks (DT source tokens each), GEMM blocks and combine
+    tasks of this call."""
     lv = tl.arange(0, NLOC_PAD)
     lm = lv < NLOC
     sv = tl.arange(0, R_PAD)
@@ -51,7 +52,7 @@ def _sections(table, rank0, NLOC, par64, NB12, off_src_tokens, off_block_start,
     src_tok = tl.load(peer_ptrs(table, ranks[:, None], off_src_tokens + sv[None, :] * 4,
                                 lm[:, None], tl.int32),
                       mask=lm[:, None] & (sv[None, :] < R), other=0)
-    d = tl.sum(src_tok, axis=1)
+    d = tl.sum((src_tok + DT - 1) // DT, axis=1)
     g = tl.load(peer_ptrs(table, ranks, off_block_start + E_LOC * 4, lm, tl.int32), mask=lm,
                 other=0) * NB12
     c = tl.load(peer_ptrs(table, ranks, off_num_tokens + par64 * 4, lm, tl.int32), mask=lm,
@@ -85,17 +86,19 @@ def fused_kernel(
     off_tickets, off_x, off_topk_idx, off_topk_weights, off_slot, off_pool_x, off_pool_src,
     off_pool_weight, off_pool_act, off_combine_y, off_combine_flag,
     T_MAX, H, I, E, R, E_LOC, P,
+    DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-    BH: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, USE_TIMER: tl.constexpr,
+    BH: tl.constexpr, TT: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
 ):
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
     NB2 = H // BN2
-    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, off_src_tokens,
+    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, off_src_tokens,
                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
     D = tl.sum(d_v, axis=0)
     G = tl.sum(g_v, axis=0)
@@ -129,13 +132,15 @@ def fused_kernel(
             sv = tl.arange(0, R_PAD)
             src_tok = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv,
                               mask=sv < R, other=0)
-            s, tok = _locate(local, src_tok)
-            pull_token(table, rank, s, tok, par64, T_MAX, H, R, E_LOC, BM, P,
-                       off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row,
-                       off_pool_x, off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH)
+            s, j = _locate(local, (src_tok + DT - 1) // DT)
+            t0 = j * DT
+            pull_tokens(table, rank, s, t0, tl.minimum(DT, _pick(src_tok, s) - t0), par64,
+                        T_MAX, H, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
+                        off_slot, off_src_row, off_pool_x, off_pool_src, off_pool_weight,
+                        off_arrival, K, K_PAD, BH, TT)
             phase = ticket * 0 + PHASE_DISPATCH
             a = s
-            b = tok
+            b = t0
         elif ticket < D + G:
             lr, local = _locate(ticket - D, g_v)
             rank = rank0 + lr
@@ -162,9 +167,18 @@ def fused_kernel(
                 mb = w0 + in_wave // NB1
                 nb = in_wave % NB1
                 meta = tl.load(block_meta + mb)
-                ok = wait_at_least(peer_ptr(table, rank, off_arrival, tl.int32) + mb, meta & 511,
-                                   diag, max_spins, timeout_ns, 2, rank, mb, epoch, -1,
-                                   SCOPE="gpu", USE_TIMER=USE_TIMER)
+                # wait for every m-block of the block's chunk: CHUNK_MB consecutive m-blocks
+                # of its expert (1: just its own block, the token-granular mode)
+                block_start = peer_ptr(table, rank, off_block_start, tl.int32) + (meta >> 9)
+                b0 = tl.load(block_start)
+                c0 = b0 + ((mb - b0) // CHUNK_MB) * CHUNK_MB
+                c1 = tl.minimum(c0 + CHUNK_MB, tl.load(block_start + 1))
+                arrival = peer_ptr(table, rank, off_arrival, tl.int32)
+                while (c0 < c1) & ok:
+                    ok = wait_at_least(arrival + c0, tl.load(block_meta + c0) & 511, diag,
+                                       max_spins, timeout_ns, 2, rank, c0, epoch, -1,
+                                       SCOPE="gpu", USE_TIMER=USE_TIMER)
+                    c0 += 1
                 if ok:
                     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
                     a_d = 0

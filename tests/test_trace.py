@@ -1,0 +1,80 @@
+"""moestream.trace: the fused kernel's trace rows (interpreter: no clock, so order and
+content), the overlap figures on hand-made rows, and the timeline plot."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import MoEConfig
+from moestream.schedule import build_schedule
+from moestream.trace import (collect_virtual, intervals_union, overlap_length, plot_timeline,
+                             summarize)
+
+from conftest import KERNEL_DEVICES
+
+
+def _row(phase, rank, start, end, sm=0):
+    return [phase, rank, -1, -1, -1, sm, start, end]
+
+
+def test_interval_algebra():
+    # overlapping and touching intervals merge; intersections add up exactly
+    u = intervals_union(np.array([[5, 7], [0, 2], [1, 3], [7, 8]]))
+    assert u.tolist() == [[0, 3], [5, 8]]
+    v = intervals_union(np.array([[2, 6]]))
+    assert overlap_length(u, v) == 1 + 1
+    assert overlap_length(u, np.zeros((0, 2))) == 0
+
+
+def test_summary_figures_on_known_rows():
+    # rank 0: dispatch 0-10 us on SM 0, L1 5-15 on SM 1, L2 12-20, combine 20-22 (ns stamps)
+    us = 1000
+    rows = np.array([
+        _row(0, 0, 0, 10 * us), _row(1, 0, 5 * us, 15 * us, sm=1), _row(2, 0, 12 * us, 20 * us),
+        _row(3, 0, 20 * us, 22 * us),
+        # rank 1 (another GPU's clock): only dispatch then L1, no overlap
+        _row(0, 1, 100 * us, 104 * us), _row(1, 1, 104 * us, 110 * us),
+    ], dtype=np.int64)
+    s0, s1 = summarize(rows)
+    assert s0["layer_us"] == 22 and s0["timed"]
+    assert s0["phases"]["L1"] == dict(tasks=1, start_us=5, end_us=15, busy_us=10, sm_us=10)
+    # comm (0-10, 20-22) meets GEMM (5-20) for 5 us of its 12
+    assert s0["comm_hidden"] == pytest.approx(5 / 12)
+    assert s0["l1_during_dispatch"] == pytest.approx(5 / 10)
+    assert s0["l2_during_l1"] == pytest.approx(3 / 8)
+    assert s1["layer_us"] == 10 and s1["comm_hidden"] == 0 and s1["l2_during_l1"] is None
+    assert s1["phases"]["combine"]["tasks"] == 0
+
+
+def test_timeline_png(tmp_path):
+    us = 1000
+    rows = np.array([_row(p, r, (p * 4 + r) * us, (p * 4 + r + 6) * us, sm=p + 2 * r)
+                     for p in range(4) for r in range(2)], dtype=np.int64)
+    path = tmp_path / "t.png"
+    plot_timeline(rows, str(path), title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("granularity", ["token", 32])
+def test_collected_rows_cover_every_ticket(device, granularity):
+    # one row per ticket: every dispatch task, every GEMM block of the schedule, every token's
+    # combine; chunked dispatch tasks cover C source tokens each
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=6, top_k=2,
+                    max_tokens_per_rank=24, block_m=16, block_n=64, block_k=64)
+    tokens = [9, 20]
+    rows = collect_virtual(cfg, ranks=2, tokens=tokens, device=device, granularity=granularity,
+                           seed=3)
+    per = {p: int((rows[:, 0] == p).sum()) for p in range(4)}
+    dt = 1 if granularity == "token" else granularity
+    assert per[0] == 2 * sum(-(-T // dt) for T in tokens)   # each rank pulls from both sources
+    assert per[3] == sum(tokens)
+    assert per[1] > 0 and per[2] > 0
+    assert set(rows[:, 1].tolist()) == {0, 1}
+    if device == "cpu":
+        assert not summarize(rows)[0]["timed"]      # the interpreter's clock reads 0
+    else:
+        assert all(s["timed"] and s["layer_us"] > 0 for s in summarize(rows))
+    with pytest.raises(ValueError, match="one count per rank"):
+        collect_virtual(cfg, ranks=2, tokens=[3], device=device)
