@@ -17,6 +17,11 @@ import json
 import torch
 
 VARIANTS = {
+    "l2n128-dt4": dict(l2_block_n=128, dispatch_tokens=4, dispatch_tile=4),
+    "l2n128-dp132": dict(l2_block_n=128, dispatch_programs=132, dispatch_tile=4),
+    "l2n128-dp66": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4),
+    "l2n128-dp33": dict(l2_block_n=128, dispatch_programs=33, dispatch_tile=4),
+    "l2n128-wave4": dict(l2_block_n=128, wave_blocks=528),
     "base": {},
     "dt4": dict(dispatch_tokens=4, dispatch_tile=4),
     "dt8": dict(dispatch_tokens=8, dispatch_tile=4),

@@ -54,6 +54,10 @@ class Tuning:
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight).
     chunk_blocks: m-blocks of an expert an L1 block waits for in the fused launch (1: only
         its own block, the token-granular mode; see ``granularity``).
+    dispatch_programs: token mode of the fused launch: size dispatch tasks so that about this
+        many tasks cover a call (dispatch_tokens = R * T / dispatch_programs, T this rank's
+        tokens), leaving the other programs free for GEMM blocks as m-blocks fill up
+        (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
     """
 
     programs: int = 0
@@ -76,6 +80,7 @@ class Tuning:
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
+    dispatch_programs: int = 0
 
     @classmethod
     def hopper(cls, block_m: int) -> "Tuning":
@@ -113,10 +118,11 @@ class Tuning:
         return replace(t, l1_block_n=bn)
 
     def __post_init__(self):
-        for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks"):
+        for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Tuning.{name} must be a positive int, got {v!r}")
+            low = 0 if name == "dispatch_programs" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"Tuning.{name} must be an int >= {low}, got {v!r}")
         if self.dispatch_tile & (self.dispatch_tile - 1):
             raise ValueError(f"Tuning.dispatch_tile must be a power of two, got "
                              f"{self.dispatch_tile}")
@@ -405,7 +411,11 @@ def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequenc
               trace: torch.Tensor | None = None, granularity: int | str = "token") -> None:
     """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H].
     ``granularity``: the streaming mode (``Tuning.with_granularity``)."""
-    tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
+    t_max = max(x.shape[0] for x in xs)
+    tuning = tuning or Tuning.for_call(buffer, t_max)
+    if tuning.dispatch_programs and granularity == "token":
+        tuning = replace(tuning, dispatch_tokens=max(1, cdiv(buffer.num_ranks * t_max,
+                                                             tuning.dispatch_programs)))
     tuning = tuning.with_granularity(granularity, buffer.config.block_m)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)

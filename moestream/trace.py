@@ -93,8 +93,12 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
     tuning = Tuning.for_call(buf, tokens).with_granularity(granularity, cfg.block_m)
     trace = _trace_buffer(buf, tuning, dev)
     y = torch.empty(1, max(tokens, 1), cfg.hidden, dtype=torch.bfloat16, device=dev)
-    dist.barrier()
-    run_fused(buf, [x], [idx], [w], [w13], [w2], y, tuning=tuning, trace=trace)
+    for _ in range(2):   # the first traced call compiles the traced kernel (ranks may differ
+        torch.cuda.synchronize()   # by its compile time), the second is the one kept
+        dist.barrier()
+        torch.cuda.synchronize()
+        trace.fill_(-1)
+        run_fused(buf, [x], [idx], [w], [w13], [w2], y, tuning=tuning, trace=trace)
     torch.cuda.synchronize()
     buf.check()
     rows = _rows(trace)
