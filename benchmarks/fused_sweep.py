@@ -17,6 +17,8 @@ import json
 import torch
 
 VARIANTS = {
+    "l2n256": dict(l2_block_n=256),
+    "l2n256-dp66": dict(l2_block_n=256, dispatch_programs=66, dispatch_tile=4),
     "l2n128-dt4": dict(l2_block_n=128, dispatch_tokens=4, dispatch_tile=4),
     "l2n128-dp132": dict(l2_block_n=128, dispatch_programs=132, dispatch_tile=4),
     "l2n128-dp66": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4),

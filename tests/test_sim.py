@@ -541,3 +541,118 @@ def test_add_parser_wires_a_subcommand():
     add_parser(p.add_subparsers(dest="cmd"))
     args = p.parse_args(["simulate", "--ranks", "16", "--link", "nvl72"])
     assert args.fn is run and args.func is run and args.ranks == 16 and args.link == "nvl72"
+
+
+# ---- validation against measured rows ---------------------------------------------------------
+from moestream.sim import validate  # noqa: E402
+from moestream.sim.validate import (load_rows, provider_model, register_provider,  # noqa: E402
+                                    skip_reason, summarize)
+
+
+def _row(provider: str, measured_us: float, *, shape: str = "qwen3", ranks: int = 2,
+         tokens: int = 8, **extra) -> dict:
+    return {"shape": shape, "ranks": ranks, "tokens_per_rank": tokens, "provider": provider,
+            "dtype": "bf16", "median_us": measured_us, "routing": "uniform", **extra}
+
+
+def test_provider_names_map_to_granularities():
+    assert provider_model("fused").granularity == "token" and not provider_model("fused").flag
+    assert provider_model("fused-graph") == provider_model("fused")
+    assert provider_model("chunk256").granularity == 256            # moestream bench's names
+    assert provider_model("chunkexpert").granularity == "expert"
+    assert provider_model("chunked-256").granularity == 256
+    assert provider_model("fused-chunk128").granularity == 128
+    assert provider_model("fused-chunk-64").granularity == 64
+    assert provider_model("chunked-expert").granularity == "expert"
+    assert provider_model("chunked-block_m").granularity == "block_m"
+    for staged in ("staged", "staged-graph"):
+        assert provider_model(staged).granularity == "token"
+        assert "one persistent launch" in provider_model(staged).flag
+    for other in ("torch", "torch-symm", "chunked-", "chunked-0x", "chunk0", "chunk-256", None):
+        assert provider_model(other) is None
+    register_provider("fused-graph", granularity="token", flag="graph replay")
+    try:
+        assert provider_model("fused-graph").flag == "graph replay"
+    finally:
+        # moestream.sim.validate is the function; its module is in sys.modules
+        sys.modules["moestream.sim.validate"]._EXACT.pop("fused-graph")
+    assert provider_model("fused-graph") is None
+    with pytest.raises(ValueError, match="granularity"):
+        register_provider("x", granularity=0)
+
+
+def test_validate_compares_each_modelled_row_with_its_simulation():
+    token = simulate(shape="qwen3", ranks=2, tokens_per_rank=8, granularity="token").layer_us
+    c4 = simulate(shape="qwen3", ranks=2, tokens_per_rank=8, granularity=4).layer_us
+    bm = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8).block_m
+    cbm = simulate(shape="qwen3", ranks=2, tokens_per_rank=8, granularity=bm).layer_us
+    rows = [_row("fused", token * 1.1), _row("staged-graph", token * 2.0),
+            _row("torch", 5000.0), _row("chunked-4", c4 * 0.9),
+            _row("chunked-block_m", cbm), _row("fused", 100.0, shape="nope"),
+            _row("fused", token, dtype="fp8")]
+    out = validate(rows)
+    assert [r["provider"] for r in out] == ["fused", "staged-graph", "chunked-4",
+                                            "chunked-block_m", "fused"]
+    a, b, c, d, e = out
+    assert a["predicted_us"] == pytest.approx(token) and a["ratio"] == pytest.approx(1.1)
+    assert a["error"] == pytest.approx(1 / 1.1 - 1) and a["within_20pct"] and a["flag"] == ""
+    assert b["ratio"] == pytest.approx(2.0) and not b["within_20pct"]
+    assert "one persistent launch" in b["flag"]
+    assert c["granularity"] == "C=4" and c["predicted_us"] == pytest.approx(c4)
+    assert c["within_20pct"]
+    assert d["granularity"] == f"C={bm}" and d["ratio"] == pytest.approx(1.0)
+    assert "fp8" in e["flag"]
+    for r in out:
+        assert r["measured_us"] > 0 and r["compute_floor_us"] > 0
+    s = summarize(out)
+    assert (s["rows"], s["within_20pct"]) == (5, 4)
+    sg = s["by_provider"]["staged-graph"]
+    assert (sg["rows"], sg["within_20pct"], sg["fraction_within_20pct"]) == (1, 0, 0.0)
+    assert sg["median_ratio"] == pytest.approx(2.0)
+    assert s["by_provider"]["fused"]["rows"] == 2
+    assert s["fraction_within_20pct"] == pytest.approx(0.8)
+
+
+def test_validate_settings_and_skew():
+    rows = [_row("fused", 300.0, routing="skewed"), _row("fused", 300.0, routing="skewed",
+                                                         skew=0.5)]
+    out = validate(rows, gemm="torch", comm_sms=8)
+    assert "skew not recorded" in out[0]["flag"] and out[1]["flag"] == ""
+    want = simulate(shape="qwen3", ranks=2, tokens_per_rank=8, routing="skewed", skew=0.5,
+                    gemm="torch", comm_sms=8).layer_us
+    assert out[1]["predicted_us"] == pytest.approx(want)
+    # a calibration file is accepted by path
+    assert validate(rows[:1], calib=CAL.path)[0]["predicted_us"] == pytest.approx(
+        validate(rows[:1])[0]["predicted_us"])
+
+
+def test_validate_rejects_malformed_rows(tmp_path):
+    with pytest.raises(ValueError, match=r"row 0 \(fused\) is missing \['median_us'\]"):
+        validate([{"shape": "qwen3", "ranks": 2, "tokens_per_rank": 8, "provider": "fused"}])
+    with pytest.raises(ValueError, match="does not exist"):
+        validate([], calib=tmp_path / "none.json")
+    assert "not divisible" in skip_reason(_row("fused", 1.0, ranks=3))
+    assert "positive number" in skip_reason(_row("fused", 0.0))
+    assert "baseline" in skip_reason(_row("torch-symm", 1.0))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_row("fused", 1.0)) + "\n\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:3 is not valid JSON"):
+        load_rows(bad)
+
+
+def test_cli_validate_prints_the_table_and_the_share_within(tmp_path, capsys):
+    token = simulate(shape="qwen3", ranks=2, tokens_per_rank=8).layer_us
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        _row("fused", token * 1.05), _row("staged", token * 3), _row("torch", 1e4)]) + "\n")
+    js = tmp_path / "v.json"
+    assert cli_main(["--validate", str(rows), "--json", str(js)]) == 0
+    text = capsys.readouterr().out
+    for word in ("measured µs", "model µs", "1 of 2 rows within 20% (50%)", "skipped 1 row(s)",
+                 "[1] staged"):
+        assert word in text, word
+    data = json.loads(js.read_text())
+    assert data["summary"]["rows"] == 2 and len(data["rows"]) == 2
+    assert data["rows"][0]["source"] == "rows.jsonl"
+    assert cli_main(["--validate", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err

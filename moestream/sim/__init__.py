@@ -6,6 +6,7 @@ CPU only, numpy only (no torch). Entry points:
 - :func:`compare` token granularity against chunk sizes on one routing -> :class:`Comparison`;
 - :class:`Calibration` (measured rates, JSON), :class:`Link` / :class:`Fabric` /
   :func:`make_fabric` (the links between ranks);
+- :func:`validate` the model against measured ``moestream bench`` rows (``moestream.sim.validate``);
 - ``moestream.sim.cli``: the ``moestream simulate`` command (``add_parser`` / ``run``).
 
 The model, its assumptions and the calibration schema are described in docs/simulator.md.
@@ -14,6 +15,7 @@ from .calib import Calibration
 from .links import LINK_KINDS, Fabric, Link, make_fabric
 from .model import Comparison, SimResult, compare, simulate
 from .plan import make_routing, parse_granularity
+from .validate import validate
 
 __all__ = ["simulate", "compare", "SimResult", "Comparison", "Calibration", "Link", "Fabric",
-           "make_fabric", "LINK_KINDS", "make_routing", "parse_granularity"]
+           "make_fabric", "LINK_KINDS", "make_routing", "parse_granularity", "validate"]

@@ -2,6 +2,8 @@
 
 Wire it into the main command with ``add_parser(subparsers)`` (it sets ``func=run``), or run
 it alone: ``python -m moestream.sim.cli --shape dsv3 --ranks 64 --tokens 128 --link rdma``.
+``--validate ROWS.jsonl`` compares the model with measured ``moestream bench`` rows instead
+(``moestream.sim.validate``).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Sequence
 
 from ..config import SHAPES
 
-__all__ = ["add_parser", "add_arguments", "run", "main", "parse_chunks"]
+__all__ = ["add_parser", "add_arguments", "run", "run_validate", "main", "parse_chunks"]
 
 _DESCRIPTION = (
     "Discrete-event model of one expert-parallel MoE layer on R ranks: dispatch pulls at token "
@@ -72,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also save a PNG of layer time vs granularity")
+    p.add_argument("--validate", default=None, action="append", metavar="ROWS.jsonl",
+                   help="instead: compare the model with measured rows of `moestream bench` "
+                        "(JSON lines; repeat for several files). Uses --calib, --link, "
+                        "--comm-sms, --gemm, --seed, --dispatch-order, --skew (for skewed rows "
+                        "without one) and --json; shape, ranks and tokens come from the rows")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -93,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from .calib import Calibration
     from .model import compare
 
+    if getattr(args, "validate", None):
+        return run_validate(args)
     console = Console()
     try:
         calib = Calibration.load(args.calib)
@@ -115,6 +124,58 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         cmp.plot(args.plot)
         console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """``--validate``: the model against measured rows; prints the table and the share of
+    rows within 20%. Returns an exit status (2 for bad input)."""
+    from rich.console import Console
+
+    from .calib import Calibration
+    from .validate import load_rows, skip_reason, summarize, validate, validation_table
+
+    console = Console(width=max(140, Console().width))
+    try:
+        calib = Calibration.load(args.calib)
+        rows = load_rows(args.validate)
+        results = validate(rows, calib=calib, link=args.link, comm_sms=args.comm_sms,
+                           gemm=args.gemm, seed=args.seed, dispatch_order=args.dispatch_order,
+                           skew=args.skew)
+    except ValueError as exc:
+        print(f"moestream simulate: error: {exc}", file=sys.stderr)
+        return 2
+    skipped: dict[str, int] = {}
+    for r in rows:
+        why = skip_reason(r)
+        if why is not None:
+            skipped[why] = skipped.get(why, 0) + 1
+    title = (f"simulator ({args.link}, {args.comm_sms} comm SMs, GEMM {args.gemm}, calibration "
+             f"{calib.device or calib.path}) vs {', '.join(args.validate)}")
+    table, notes = validation_table(results, title=title)
+    console.print(table)
+    for note in notes:
+        console.print(note)
+    s = summarize(results)
+    if results:
+        console.print(f"[bold]{s['within_20pct']} of {s['rows']} rows within 20% "
+                      f"({s['fraction_within_20pct']:.0%})[/]; measured / model: median "
+                      f"{s['median_ratio']:.2f}, range {s['min_ratio']:.2f} .. "
+                      f"{s['max_ratio']:.2f}")
+        for prov, b in s["by_provider"].items():
+            console.print(f"  {prov}: {b['within_20pct']} of {b['rows']} within 20%, "
+                          f"measured / model median {b['median_ratio']:.2f} "
+                          f"({b['min_ratio']:.2f} .. {b['max_ratio']:.2f})")
+    else:
+        console.print("no row to compare")
+    for why, n in skipped.items():
+        console.print(f"skipped {n} row(s): {why}")
+    console.print("Model output vs measurements; the model has no per-call fixed cost (launches, "
+                  "setup steps), see docs/simulator.md \"Validation\".")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": s, "rows": results, "skipped": skipped}, f, indent=1)
+        console.print(f"rows written to {args.json}")
     return 0
 
 

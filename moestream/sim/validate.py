@@ -1,0 +1,283 @@
+"""The simulator against measurements: predict every measured layer call and compare.
+
+``validate(rows)`` takes result rows as ``moestream bench`` writes them (JSON lines, one per
+(provider, shape, ranks, tokens per rank); see shared/BENCHMARKS.md "Protocol"), simulates each
+(shape, ranks, tokens_per_rank, routing) with the streaming mode its provider runs, and returns
+one row per measured row with the measured and predicted time.
+
+Which provider is which model (``provider_model``; extend with ``register_provider``):
+
+==============================  ==================  ============================================
+provider name                   granularity         flag
+==============================  ==================  ============================================
+``fused``, ``fused-graph``      token               (what the model describes)
+``chunk<C>``                    C tokens            (``moestream bench``'s chunked fused launch)
+``chunked-<C>``,                C tokens            (BENCHMARKS.md's name, and aliases)
+``fused-chunk<C>``
+``chunkexpert``, ...            whole expert        (``chunked-expert``, ``fused-chunk-expert``)
+``chunkblock_m``, ...           the shape's block_m
+``staged``, ``staged-graph``    token               flagged: one launch per stage; the model is
+                                                    one persistent launch
+``torch``, ``torch-symm``, ...  not modelled        skipped (``skip_reason``)
+==============================  ==================  ============================================
+
+Every comparison uses the calibration given (default: the packaged 2x H200 one), the fabric
+``link`` (default ``nvlink``: device-initiated pulls), ``comm_sms`` and the GEMM curve ``gemm``
+(default ``triton``, the project's kernel). The model has no per-call fixed cost (kernel
+launches, the publish / signal / layout steps before the fused launch, host work), which
+dominates measured calls at small T; see docs/simulator.md "Validation".
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..config import SHAPES, MoEConfig
+from .calib import Calibration
+from .plan import Granularity, granularity_label, parse_granularity
+
+__all__ = ["validate", "summarize", "provider_model", "register_provider", "skip_reason",
+           "load_rows", "ProviderModel", "TOLERANCE", "validation_table"]
+
+TOLERANCE = 0.2   # "within 20%": |predicted / measured - 1| <= TOLERANCE
+
+STAGED_FLAG = ("staged: one launch per stage (publish, signal, layout, dispatch, L1, L2, "
+               "combine), stages do not overlap; the model is one persistent launch")
+
+
+@dataclass(frozen=True)
+class ProviderModel:
+    """How the simulator models a provider.
+
+    granularity: ``"token"``, a chunk size C (tokens per message), ``"expert"``, or
+        ``"block_m"`` (the shape's block_m).
+    flag: empty when the model describes the provider; else why the comparison is
+        approximate (shown next to its rows).
+    """
+
+    granularity: Granularity | str
+    flag: str = ""
+
+
+_EXACT: dict[str, ProviderModel] = {
+    "fused": ProviderModel("token"),
+    "fused-graph": ProviderModel("token"),
+    "staged": ProviderModel("token", STAGED_FLAG),
+    "staged-graph": ProviderModel("token", STAGED_FLAG),
+}
+_CHUNKED = re.compile(r"^(?:chunk|chunked-|fused-chunk-?)(?P<c>\d+|expert|block_m)$")
+_NOT_MODELLED = ("torch", "torch-symm")
+
+
+def register_provider(name: str, *, granularity: Granularity | str, flag: str = "") -> None:
+    """Model the provider ``name`` (an exact name) at ``granularity``, with a ``flag`` if the
+    model describes it only approximately. Replaces an earlier registration of the name."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"provider name must be a non-empty str, got {name!r}")
+    if granularity != "block_m":
+        granularity = parse_granularity(granularity)
+    _EXACT[name] = ProviderModel(granularity, str(flag))
+
+
+def provider_model(provider: str) -> ProviderModel | None:
+    """The model of a benchmark provider name, or None if the simulator does not model it (the
+    torch baselines, unknown names)."""
+    if not isinstance(provider, str):
+        return None
+    if provider in _EXACT:
+        return _EXACT[provider]
+    m = _CHUNKED.match(provider)
+    if m:
+        c = m.group("c")
+        if c in ("expert", "block_m"):
+            return ProviderModel(c)
+        return ProviderModel(int(c)) if int(c) > 0 else None
+    return None
+
+
+def _resolve_granularity(g: Granularity | str, cfg: MoEConfig) -> Granularity:
+    return cfg.block_m if g == "block_m" else parse_granularity(g)
+
+
+_REQUIRED = ("shape", "ranks", "tokens_per_rank", "provider", "median_us")
+
+
+def _check_row(i: int, row: Any) -> None:
+    if not isinstance(row, Mapping):
+        raise ValueError(f"row {i} must be a dict (a JSON object), got {type(row).__name__}")
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"row {i} ({row.get('provider', '?')}) is missing {missing}; rows "
+                         f"need {list(_REQUIRED)} (moestream bench writes them)")
+
+
+def skip_reason(row: Mapping[str, Any]) -> str | None:
+    """Why ``validate`` leaves this row out (None: it is compared)."""
+    prov = row.get("provider")
+    if provider_model(prov) is None:
+        what = "a baseline" if prov in _NOT_MODELLED or str(prov).startswith("torch") \
+            else "an unknown provider"
+        return f"provider {prov!r} is not modelled ({what})"
+    if row.get("shape") not in SHAPES:
+        return f"shape {row.get('shape')!r} is not one of {sorted(SHAPES)}"
+    R, T = row.get("ranks"), row.get("tokens_per_rank")
+    if isinstance(R, bool) or not isinstance(R, int) or R < 1:
+        return f"ranks {R!r} is not a positive int"
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        return f"tokens_per_rank {T!r} is not a positive int"
+    if SHAPES[row["shape"]]["num_experts"] % R:
+        return (f"{row['shape']} has {SHAPES[row['shape']]['num_experts']} experts, not "
+                f"divisible by {R} ranks")
+    med = row.get("median_us")
+    if isinstance(med, bool) or not isinstance(med, (int, float)) or not med > 0 \
+            or not math.isfinite(med):
+        return f"median_us {med!r} is not a positive number"
+    return None
+
+
+def load_rows(paths: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Rows of one or more JSON-lines files (blank lines skipped), each tagged with
+    ``_source`` (the file name). ValueError names a missing file or a bad line."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    rows: list[dict[str, Any]] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise ValueError(f"rows file {str(p)!r} does not exist")
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}:{n} is not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{p}:{n} is not a JSON object")
+            rows.append({**row, "_source": p.name})
+    return rows
+
+
+def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Path | None = None,
+             link: str = "nvlink", comm_sms: int = 16, gemm: str = "triton", seed: int = 0,
+             dispatch_order: str = "pool", skew: float = 0.3) -> list[dict[str, Any]]:
+    """Simulate every modelled row and compare it with its measured median.
+
+    Args:
+        rows: benchmark rows (dicts with shape, ranks, tokens_per_rank, provider, median_us;
+            optional routing ("uniform" / "skewed"), skew, dtype). Rows ``skip_reason``
+            rejects (torch baselines, unknown shapes, ...) are left out.
+        calib: a Calibration or the path of a calibration JSON (default: packaged 2x H200).
+        link, comm_sms, gemm, seed, dispatch_order: as for ``moestream.sim.simulate``.
+        skew: the hot expert's share of picks for skewed rows that do not record theirs.
+
+    Returns:
+        One dict per compared row, in input order: shape, ranks, tokens_per_rank, provider,
+        granularity (label), routing, dtype, measured_us (the row's median), predicted_us (the
+        model's layer time), ratio (measured / predicted; > 1: the hardware is slower than the
+        model), error (predicted / measured - 1), within_20pct (|error| <= 0.2),
+        compute_floor_us and link_floor_us (the model's), flag ("" or why the comparison is
+        approximate), source (``_source`` of the row, if any). Times in µs.
+
+    Raises:
+        ValueError: a row lacks a required key, or bad settings (as ``simulate`` raises them).
+    """
+    from .model import simulate
+
+    if not isinstance(calib, Calibration):
+        calib = Calibration.load(calib)
+    cache: dict[tuple, Any] = {}
+    out: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        _check_row(i, row)
+        if skip_reason(row) is not None:
+            continue
+        pm = provider_model(row["provider"])
+        shape, R, T = row["shape"], int(row["ranks"]), int(row["tokens_per_rank"])
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=T)
+        g = _resolve_granularity(pm.granularity, cfg)
+        flags = [pm.flag] if pm.flag else []
+        routing = str(row.get("routing") or "uniform")
+        row_skew = row.get("skew")
+        if routing not in ("uniform", "skewed"):
+            flags.append(f"routing {routing!r} not modelled: uniform assumed")
+            routing = "uniform"
+        if routing == "skewed":
+            if isinstance(row_skew, (int, float)) and not isinstance(row_skew, bool) \
+                    and 0 < row_skew <= 1:
+                s = float(row_skew)
+            else:
+                s = skew
+                flags.append(f"skew not recorded: {skew} assumed")
+        else:
+            s = skew
+        dtype = str(row.get("dtype") or "bf16")
+        if dtype != "bf16":
+            flags.append(f"dtype {dtype}: the calibration's GEMM curves are bf16")
+        key = (shape, R, T, g, routing, s if routing == "skewed" else None)
+        if key not in cache:
+            cache[key] = simulate(shape=shape, ranks=R, tokens_per_rank=T, link=link,
+                                  granularity=g, comm_sms=comm_sms, calib=calib, gemm=gemm,
+                                  routing=routing, skew=s, seed=seed,
+                                  dispatch_order=dispatch_order)
+        res = cache[key]
+        measured = float(row["median_us"])
+        predicted = float(res.layer_us)
+        err = predicted / measured - 1.0
+        out.append({
+            "shape": shape, "ranks": R, "tokens_per_rank": T, "provider": row["provider"],
+            "granularity": granularity_label(g), "routing": routing, "dtype": dtype,
+            "measured_us": measured, "predicted_us": predicted,
+            "ratio": measured / predicted if predicted > 0 else math.inf,
+            "error": err, "within_20pct": abs(err) <= TOLERANCE,
+            "compute_floor_us": float(res.compute_floor_us),
+            "link_floor_us": float(res.link_floor_us),
+            "flag": "; ".join(flags), "source": row.get("_source", ""),
+        })
+    return out
+
+
+def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts of ``validate``'s rows: total and per provider, rows within 20%, the fraction
+    within, and the median and range of measured / predicted."""
+    def block(rs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        ratios = [r["ratio"] for r in rs]
+        n_in = sum(bool(r["within_20pct"]) for r in rs)
+        return {"rows": len(rs), "within_20pct": n_in,
+                "fraction_within_20pct": n_in / len(rs) if rs else math.nan,
+                "median_ratio": statistics.median(ratios) if ratios else math.nan,
+                "min_ratio": min(ratios) if ratios else math.nan,
+                "max_ratio": max(ratios) if ratios else math.nan}
+
+    by_provider = {}
+    for p in dict.fromkeys(r["provider"] for r in results):
+        by_provider[p] = block([r for r in results if r["provider"] == p])
+    return {**block(results), "by_provider": by_provider}
+
+
+def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
+    """A ``rich.table.Table`` of ``validate``'s rows; flagged rows carry a footnote mark
+    (``[n]``) whose text is returned as the second item: ``(table, footnotes)``."""
+    from rich.table import Table
+
+    t = Table(title=title or "simulator vs measured (model: one fused persistent launch)")
+    sources = len({r.get("source", "") for r in results}) > 1
+    cols = [("shape", "left"), ("R", "right"), ("T/rank", "right"), ("provider", "left"),
+            ("gran.", "left"), ("measured µs", "right"), ("model µs", "right"),
+            ("meas/model", "right"), ("within 20%", "center"), ("flag", "left")]
+    for col, just in cols + ([("rows file", "left")] if sources else []):
+        t.add_column(col, justify=just, no_wrap=True)
+    notes: dict[str, int] = {}
+    for r in results:
+        mark = ""
+        if r["flag"]:
+            mark = f"[{notes.setdefault(r['flag'], len(notes) + 1)}]"
+        t.add_row(r["shape"], str(r["ranks"]), str(r["tokens_per_rank"]), r["provider"],
+                  r["granularity"], f"{r['measured_us']:.1f}", f"{r['predicted_us']:.1f}",
+                  f"{r['ratio']:.2f}", "[green]yes[/]" if r["within_20pct"] else "[red]no[/]",
+                  mark, *([str(r.get("source", ""))] if sources else []))
+    return t, [f"[{n}] {text}" for text, n in notes.items()]
