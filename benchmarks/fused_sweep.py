@@ -17,6 +17,14 @@ import json
 import torch
 
 VARIANTS = {
+    "l2n128-dp66-ct4": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4,
+                            combine_tile=4, combine_chunk=512),
+    "l2n128-dp33-ct4": dict(l2_block_n=128, dispatch_programs=33, dispatch_tile=4,
+                            combine_tile=4, combine_chunk=512),
+    "l2n256-dp66-ct4": dict(l2_block_n=256, dispatch_programs=66, dispatch_tile=4,
+                            combine_tile=4, combine_chunk=512),
+    "l2n128-dp66-ct4-wave4": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4,
+                                  combine_tile=4, combine_chunk=512, wave_blocks=528),
     "l2n256": dict(l2_block_n=256),
     "l2n256-dp66": dict(l2_block_n=256, dispatch_programs=66, dispatch_tile=4),
     "l2n128-dt4": dict(l2_block_n=128, dispatch_tokens=4, dispatch_tile=4),

@@ -58,6 +58,8 @@ class Tuning:
         many tasks cover a call (dispatch_tokens = R * T / dispatch_programs, T this rank's
         tokens), leaving the other programs free for GEMM blocks as m-blocks fill up
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
+    combine_tile: tokens per combine task of the fused launch (a power of two).
+    combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
     """
 
     programs: int = 0
@@ -81,6 +83,8 @@ class Tuning:
     dispatch_tile: int = 1
     chunk_blocks: int = 1
     dispatch_programs: int = 0
+    combine_tile: int = 1
+    combine_chunk: int | None = None
 
     @classmethod
     def hopper(cls, block_m: int) -> "Tuning":
@@ -123,9 +127,10 @@ class Tuning:
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"Tuning.{name} must be an int >= {low}, got {v!r}")
-        if self.dispatch_tile & (self.dispatch_tile - 1):
-            raise ValueError(f"Tuning.dispatch_tile must be a power of two, got "
-                             f"{self.dispatch_tile}")
+        for name in ("dispatch_tile", "combine_tile"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"Tuning.{name} must be a power of two, got {v!r}")
 
     def with_granularity(self, granularity: "int | str", block_m: int) -> "Tuning":
         """This tuning in a streaming mode of the fused launch (see ``mega_moe``):
@@ -399,7 +404,8 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
         BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), TT=tuning.dispatch_tile,
-        UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
+        CT=tuning.combine_tile,
+        BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk), UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                      tuning.fused_stages or tuning.l1_stages))

@@ -165,7 +165,7 @@ def test_layer_matches_reference(device, gen, case, impl):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("granularity", [16, 48, "expert"])
+@pytest.mark.parametrize("granularity", [16, 48, "expert", "token-tiles"])
 @pytest.mark.parametrize("case", [
     # name, R, Ts, config changes; each line says what it stresses
     ("T=1: a chunk of one row, dispatch task of one token", 2, [1, 1], {}),
@@ -176,8 +176,15 @@ def test_layer_matches_reference(device, gen, case, impl):
 ], ids=lambda c: c[0] if isinstance(c, tuple) else str(c))
 def test_chunked_modes_match_reference(device, gen, case, granularity):
     # the fused launch in its chunked modes: dispatch tasks of C tokens (TT at a time), L1
-    # blocks waiting for whole C-row chunks (C = block_m 16, 3 * block_m, the whole expert)
+    # blocks waiting for whole C-row chunks (C = block_m 16, 3 * block_m, the whole expert);
+    # token-tiles: token mode with multi-token dispatch tasks (dispatch_programs) and combine
+    # tasks of 4 tokens summing 64 columns at a time (tiles past T masked)
     _, R, Ts, changes = case
+    tuning = None
+    if granularity == "token-tiles":
+        granularity = "token"
+        tuning = stages.Tuning(dispatch_programs=3, dispatch_tile=2, combine_tile=4,
+                               combine_chunk=64)
     cfg = small_config(**changes)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
@@ -186,7 +193,7 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl="fused",
-                          granularity=granularity)
+                          granularity=granularity, tuning=tuning)
     refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
                              [w.cpu() for w in ws], [w.cpu() for w in w13s],
                              [w.cpu() for w in w2s])

@@ -5,7 +5,7 @@ Legend:
     combine_flag [T_MAX, K] int32  set to 1 by the L2 block that completes (t, k)'s row
     y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
 
-One ticket per token; the hidden dimension is walked in BH-wide chunks so a program never
+One ticket per token (the fused launch: per CT tokens); the hidden dimension is walked in BH-wide chunks so a program never
 holds more than K x BH values. Picks with id -1 (or outside [0, E)) are skipped.
 """
 from __future__ import annotations
@@ -14,29 +14,43 @@ from ._common import launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_
 
 
 @triton.jit
-def combine_token(table, rank, t, par64, y_row, diag, max_spins, timeout_ns, epoch, T_MAX, H, E,
-                  off_topk_idx, off_combine_y, off_combine_flag,
-                  K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr,
-                  FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr):
-    """One combine task: wait for token ``t``'s valid picks, then y_row[:] = sum of its slots.
-    Returns False if the wait gave up."""
+def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, timeout_ns,
+                   epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
+                   K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
+                   FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr):
+    """One combine task: tokens [t0, t0 + n), TT at a time: wait for their valid picks'
+    flags, then y[t, :] = fp32 sum over k of combine_y[t, k, :] (y row t at y_ptr + t *
+    y_stride). Returns False if a wait gave up."""
     k = tl.arange(0, K_PAD)
     km = k < K
-    tk = t.to(tl.int64) * K + k
-    idx = tl.load(peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
-                  mask=km, other=-1)
-    valid = km & (idx >= 0) & (idx < E)
     flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
-    ok = wait_all_at_least(flags + tk, 1, valid, diag, max_spins, timeout_ns, 4, rank, t * K,
-                           epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
-    if ok:
-        slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
-        for h0 in range(0, H, BH):
-            h = h0 + tl.arange(0, BH)
-            hm = h < H
-            v = tl.load(slots + tk[:, None] * H + h[None, :], mask=valid[:, None] & hm[None, :],
-                        other=0.0)
-            tl.store(y_row + h, to_bf16(tl.sum(v.to(tl.float32), axis=0), FIX_ROUNDING), mask=hm)
+    slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
+    ok = t0 >= 0
+    i = 0
+    while (i < n) & ok:
+        t = t0 + i + tl.arange(0, TT)
+        tm = t < t0 + n
+        tk = t.to(tl.int64)[:, None] * K + k[None, :]                               # [TT, K_PAD]
+        pick = tm[:, None] & km[None, :]
+        idx = tl.load(peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
+                      mask=pick, other=-1)
+        valid = pick & (idx >= 0) & (idx < E)
+        ok = wait_all_at_least(tl.reshape(flags + tk, [TT * K_PAD]), 1,
+                               tl.reshape(valid, [TT * K_PAD]), diag, max_spins, timeout_ns, 4,
+                               rank, t0 * K, epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
+        if ok:
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < H
+                acc = tl.zeros([TT, BH], tl.float32)
+                for kk in tl.static_range(K):
+                    v_k = tl.sum(tl.where(k[None, :] == kk, valid.to(tl.int32), 0), axis=1) > 0
+                    row = t.to(tl.int64) * K + kk
+                    acc += tl.load(slots + row[:, None] * H + h[None, :],
+                                   mask=v_k[:, None] & hm[None, :], other=0.0).to(tl.float32)
+                tl.store(y_ptr + t.to(tl.int64)[:, None] * y_stride + h[None, :],
+                         to_bf16(acc, FIX_ROUNDING), mask=tm[:, None] & hm[None, :])
+        i += TT
     return ok
 
 
@@ -57,7 +71,7 @@ def combine_kernel(
     t = pid
     ok = pid >= 0
     while (t < T) & ok:
-        ok = combine_token(table, rank, t, par64, y + t.to(tl.int64) * y_stride, diag, max_spins,
-                           timeout_ns, epoch, T_MAX, H, E, off_topk_idx, off_combine_y,
-                           off_combine_flag, K, K_PAD, BH, FIX_ROUNDING, USE_TIMER)
+        ok = combine_tokens(table, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
+                            epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
+                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER)
         t += nprog

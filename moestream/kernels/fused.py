@@ -5,7 +5,7 @@ Programs take tickets from an atomic counter, in the dependency order of
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest), then its L2 blocks
-    every combine task (local rank, token)
+    every combine task (local rank, CT tokens from token j * CT)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
 L2 via l1_done, L2 -> combine via the combine flags, possibly of another rank's launch, whose L2
@@ -21,7 +21,7 @@ Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, 
 blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
 (a, b, c) = (source, first token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
-(token, -1, -1) for combine.
+(first token, -1, -1) for combine.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from triton.language.extra.cuda import smid
 
 from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton,
                       wait_at_least)
-from .combine import combine_token
+from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors
 
@@ -41,10 +41,10 @@ PHASE_COMBINE = tl.constexpr(3)
 
 
 @triton.jit
-def _sections(table, rank0, NLOC, par64, NB12, DT, off_src_tokens, off_block_start,
+def _sections(table, rank0, NLOC, par64, NB12, DT, CT, off_src_tokens, off_block_start,
               off_num_tokens, R, E_LOC, NLOC_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Per local rank: dispatch tasks (DT source tokens each), GEMM blocks and combine
-    tasks of this call."""
+    tasks (CT tokens each) of this call."""
     lv = tl.arange(0, NLOC_PAD)
     lm = lv < NLOC
     sv = tl.arange(0, R_PAD)
@@ -57,7 +57,7 @@ def _sections(table, rank0, NLOC, par64, NB12, DT, off_src_tokens, off_block_sta
                 other=0) * NB12
     c = tl.load(peer_ptrs(table, ranks, off_num_tokens + par64 * 4, lm, tl.int32), mask=lm,
                 other=0)
-    return d, g, c
+    return d, g, (c + CT - 1) // CT
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def fused_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-    BH: tl.constexpr, TT: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    BH: tl.constexpr, TT: tl.constexpr, CT: tl.constexpr, BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -98,7 +98,7 @@ def fused_kernel(
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
     NB2 = H // BN2
-    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, off_src_tokens,
+    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, CT, off_src_tokens,
                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
     D = tl.sum(d_v, axis=0)
     G = tl.sum(g_v, axis=0)
@@ -221,15 +221,18 @@ def fused_kernel(
             b = mb
             c = nb
         else:
-            lr, tok = _locate(ticket - D - G, c_v)
+            lr, j = _locate(ticket - D - G, c_v)
             rank = rank0 + lr
             diag = peer_ptr(table, rank, off_diag, tl.int32)
-            y_row = y_ptr + lr.to(tl.int64) * y_rank_stride + tok.to(tl.int64) * y_stride
-            ok = combine_token(table, rank, tok, par64, y_row, diag, max_spins, timeout_ns, epoch,
-                               T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag, K,
-                               K_PAD, BH, UPCAST, USE_TIMER)
+            t0 = j * CT
+            n_tok = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
+            ok = combine_tokens(table, rank, t0, tl.minimum(CT, n_tok - t0), par64,
+                                y_ptr + lr.to(tl.int64) * y_rank_stride, y_stride, diag,
+                                max_spins, timeout_ns, epoch, T_MAX, H, E, off_topk_idx,
+                                off_combine_y, off_combine_flag, K, K_PAD, BHC, CT, UPCAST,
+                                USE_TIMER)
             phase = ticket * 0 + PHASE_COMBINE
-            a = tok
+            a = t0
         if TRACE:
             row = trace_ptr + ticket.to(tl.int64) * 8
             tl.store(row + 0, phase.to(tl.int64))
