@@ -105,6 +105,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             stages.run_fused(*args, tuning=tuning)
             trace = torch.empty(8, 8, dtype=torch.int64)
             stages.run_fused(*args, tuning=tuning, trace=trace)
+            label[0] = " gpu-default"   # the fused launch's GPU defaults (132 SMs)
+            stages.run_fused(*args, tuning=tuning.for_fused(buf, sms=132))
             label[0] = " chunked"
             stages.run_fused(*args, tuning=tuning, granularity=2 * cfg.block_m)
             for name, fields in (variants or {}).items():

@@ -24,7 +24,7 @@ from .layout import DIAG_FIELDS
 from .routing import source_slots
 
 __all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
-           "run_staged", "run_fused", "max_tickets"]
+           "run_staged", "run_fused", "fused_tuning", "max_tickets"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -120,6 +120,20 @@ class Tuning:
         while bn > 32 and touched * (cfg.intermediate // bn) < sms:
             bn //= 2
         return replace(t, l1_block_n=bn)
+
+    def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
+        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweep F2 on
+        2x H200): 128-wide L2 blocks (the fused launch runs L2 with the L1's 8 warps),
+        dispatch tasks sized so about half the programs dispatch while the rest start GEMM
+        blocks, moving 4 tokens at a time, and combine tasks of 4 tokens. Unchanged under
+        the interpreter (the tests choose their tilings). ``sms``: the GPU's SM count (default
+        the buffer's device's; moestream.aot passes one to compile the GPU defaults)."""
+        sms = sms or _constants(buffer).sms
+        if not sms:
+            return self
+        l2n = 128 if buffer.config.hidden % 128 == 0 else self.l2_tile(buffer.config)[0]
+        return replace(self, l2_block_n=l2n, dispatch_programs=max(1, sms // 2),
+                       dispatch_tile=4, combine_tile=4, combine_chunk=512)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs"):
@@ -411,18 +425,26 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
                      tuning.fused_stages or tuning.l1_stages))
 
 
+def fused_tuning(buffer: SymmBuffer, tokens: int, *, tuning: Tuning | None = None,
+                 granularity: int | str = "token") -> Tuning:
+    """The tuning a fused call with ``tokens`` tokens (the most of any local rank) runs with:
+    ``tuning`` (default: ``Tuning.for_call(...).for_fused(...)``), its dispatch task size
+    resolved from ``dispatch_programs`` in token mode, in streaming mode ``granularity``."""
+    tuning = tuning or Tuning.for_call(buffer, tokens).for_fused(buffer)
+    if tuning.dispatch_programs and granularity == "token":
+        tuning = replace(tuning, dispatch_tokens=max(1, cdiv(buffer.num_ranks * tokens,
+                                                             tuning.dispatch_programs)))
+    return tuning.with_granularity(granularity, buffer.config.block_m)
+
+
 def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
               topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
               w2s: Sequence[torch.Tensor], y: torch.Tensor, *, tuning: Tuning | None = None,
               trace: torch.Tensor | None = None, granularity: int | str = "token") -> None:
     """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H].
     ``granularity``: the streaming mode (``Tuning.with_granularity``)."""
-    t_max = max(x.shape[0] for x in xs)
-    tuning = tuning or Tuning.for_call(buffer, t_max)
-    if tuning.dispatch_programs and granularity == "token":
-        tuning = replace(tuning, dispatch_tokens=max(1, cdiv(buffer.num_ranks * t_max,
-                                                             tuning.dispatch_programs)))
-    tuning = tuning.with_granularity(granularity, buffer.config.block_m)
+    tuning = fused_tuning(buffer, max(x.shape[0] for x in xs), tuning=tuning,
+                          granularity=granularity)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     signal(buffer)

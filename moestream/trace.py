@@ -43,7 +43,7 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
 
     Returns int64 [tickets, 8] trace rows (columns as the module docstring lists)."""
     from .buffer import SymmBuffer
-    from .stages import Tuning, run_fused
+    from .stages import fused_tuning, run_fused
     from .testing import make_routing, make_tokens, make_weights
     if len(tokens) != ranks:
         raise ValueError(f"tokens must list one count per rank ({ranks}), got {list(tokens)}")
@@ -57,8 +57,7 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
         idxs.append(i)
         ws.append(w)
     w13s, w2s = make_weights(config, ranks, generator=g, device=device)
-    tuning = (tuning or Tuning.for_call(buf, max(tokens))).with_granularity(granularity,
-                                                                             config.block_m)
+    tuning = fused_tuning(buf, max(tokens), tuning=tuning, granularity=granularity)
     y = torch.empty(ranks, max(max(tokens), 1), config.hidden, dtype=torch.bfloat16,
                     device=device)
     run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning)          # compiles, warms up
@@ -74,7 +73,7 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
     import torch.distributed as dist
 
     from . import MoEConfig, SymmBuffer, mega_moe
-    from .stages import Tuning, run_fused
+    from .stages import fused_tuning, run_fused
     from .testing import make_routing, make_tokens
     dev = torch.device("cuda", rank)
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens, 1))
@@ -90,7 +89,7 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
     for _ in range(3):   # compile and warm up (untraced)
         mega_moe(x, idx, w, w13, w2, buf, impl="fused", granularity=granularity)
     torch.cuda.synchronize()
-    tuning = Tuning.for_call(buf, tokens).with_granularity(granularity, cfg.block_m)
+    tuning = fused_tuning(buf, tokens, granularity=granularity)
     trace = _trace_buffer(buf, tuning, dev)
     y = torch.empty(1, max(tokens, 1), cfg.hidden, dtype=torch.bfloat16, device=dev)
     for _ in range(2):   # the first traced call compiles the traced kernel (ranks may differ
