@@ -223,8 +223,11 @@ class SymmBuffer:
         if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         if self._diag_host is None:
-            self._diag_host = torch.empty(self.local_ranks, len(DIAG_FIELDS), dtype=torch.int32,
-                                          pin_memory=True)
+            # a normal tensor even when the first call runs under torch.inference_mode (an
+            # inference tensor could not be updated by later calls outside it)
+            with torch.inference_mode(False):
+                self._diag_host = torch.empty(self.local_ranks, len(DIAG_FIELDS),
+                                              dtype=torch.int32, pin_memory=True)
             self._diag_event = torch.cuda.Event()
         # Stream order: this copy lands after any earlier one, and poll reads the host copy
         # only once the event of the latest copy has completed.

@@ -3,6 +3,7 @@
     moestream run        the main job: the EP layer on this machine, checked against the reference
     moestream check      what this install can do (versions, GPUs, symmetric memory)
     moestream bench      benchmarks: EP layer across all GPUs, or --virtual-ranks R for the GEMMs
+    moestream bench-layer  one transformers MoE decoder layer, original vs moestream experts
     moestream simulate   the discrete-event model of token vs chunk streaming at scale
     moestream probe      measure this machine's calibration for the simulator (GPU)
 """
@@ -320,7 +321,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
     con.print(calibration_table(calib))
     con.print(f"note: {calib['note']}")
     con.print(f"calibration written to {args.out} (use: moestream simulate --calib {args.out})")
-    return 0
+    errors = calib["probe"]["errors"]
+    for name, err in errors.items():
+        con.print(f"[red]failed:[/] {name}: {err}")
+    return 1 if errors else 0
+
+
+def cmd_bench_layer(args: argparse.Namespace) -> int:
+    from .bench_layer import run_cli
+    return run_cli(args, console=_console())
 
 
 # ---- entry --------------------------------------------------------------------------------
@@ -355,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
     b.set_defaults(fn=cmd_bench)
 
+    from .bench_layer import add_arguments as add_layer_arguments
+    bl = sub.add_parser("bench-layer", help="one transformers MoE decoder layer: its experts vs "
+                                            "moestream's, across every GPU (bench_layer.py)")
+    add_layer_arguments(bl)
+    bl.set_defaults(fn=cmd_bench_layer)
+
     tr = sub.add_parser("trace", help="timeline of one fused-kernel call (GPU)")
     tr.add_argument("--shape", default="qwen3")
     tr.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
@@ -367,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(fn=cmd_trace)
 
     pr = sub.add_parser("probe", help="measure this machine's calibration for the simulator")
-    pr.add_argument("--quick", action="store_true", help="the ~1 minute probe")
+    pr.add_argument("--quick", action="store_true",
+                    help="the short probe (meant to take < 1 minute on an H200)")
     pr.add_argument("--out", default="benchmarks/results/calib_probe.json",
                     help="calibration JSON to write (default benchmarks/results/calib_probe.json)")
     pr.add_argument("--gemm-providers", type=_names, default=["torch", "triton"],

@@ -16,6 +16,10 @@ inputs in both runs. After a replaced MoE layer, bf16 noise (~5e-3) can flip a l
 choice between two near-tied experts, a legitimate difference of up to ~2e-2 on the logits; the
 all-MoE models are therefore compared block by block, each block on the inputs the original
 model gave it.
+
+Also here, without a GPU: replace_moe_blocks' checks across several ranks (with a faked group),
+the multi-GPU test's worker (tests/test_integrations_multigpu.py) with one gloo rank, and
+``moestream bench-layer``'s code on tiny models.
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ from torch import nn
 
 # moestream first: transformers' model classes import Triton, and on a CPU-only machine moestream
 # must switch Triton to its interpreter before that happens.
-from moestream.integrations.transformers import (
-    SUPPORTED_BLOCKS, MegaMoEExperts, _ExpertsLayout, replace_moe_blocks)
+from moestream.integrations._tiny import (
+    EXPERT_WIDTH, FAMILIES, HIDDEN, VOCAB, moe_blocks, tiny_config, tiny_model)
+from moestream.integrations.transformers import MegaMoEExperts, _ExpertsLayout, replace_moe_blocks
 from moestream.testing import rel_error
 
 transformers = pytest.importorskip(
@@ -38,58 +43,23 @@ transformers = pytest.importorskip(
     "(pip install transformers)")
 
 TOL = 2e-2
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-H, I_MOE, VOCAB = 256, 128, 128
+H, I_MOE = HIDDEN, EXPERT_WIDTH
 
 
-# ---- models -----------------------------------------------------------------------------
+# ---- models (moestream.integrations._tiny builds them; the multi-GPU tests use the same) -----
 
 def _config(family: str, *, single_moe_layer: bool):
-    # initializer_range = 1/sqrt(H): O(1) activations in every layer, so the experts' output is a
-    # large part of the logits and a wrong expert shows in them.
-    common = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                  initializer_range=H ** -0.5)
-    if family == "mixtral":
-        if single_moe_layer:
-            common["num_hidden_layers"] = 1   # every Mixtral layer is an MoE layer
-        return transformers.MixtralConfig(intermediate_size=I_MOE, num_local_experts=4,
-                                          num_experts_per_tok=2, **common)
-    dense_first = dict(mlp_only_layers=[0]) if single_moe_layer else {}
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(
-            intermediate_size=256, moe_intermediate_size=I_MOE, shared_expert_intermediate_size=128,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **dense_first, **common)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            intermediate_size=256, moe_intermediate_size=I_MOE, num_experts=4,
-            num_experts_per_tok=2, norm_topk_prob=True, head_dim=64, **dense_first, **common)
-    # group-limited routing: 8 experts in 4 groups, the best 2 groups, 2 experts per token
-    return transformers.DeepseekV3Config(
-        intermediate_size=256, moe_intermediate_size=I_MOE, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        first_k_dense_replace=1 if single_moe_layer else 0, kv_lora_rank=64, q_lora_rank=None,
-        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, **common)
-
-
-_MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+    return tiny_config(family, single_moe_layer=single_moe_layer)
 
 
 def _model(family: str, gen: torch.Generator, *, single_moe_layer: bool) -> nn.Module:
     """A bf16 eval-mode model whose random weights come from ``gen`` (replayable)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-        model = getattr(transformers, _MODELS[family])(
-            _config(family, single_moe_layer=single_moe_layer))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):   # exercise DeepSeek-V3's bias
-                buf.normal_(0.0, 0.1)
-    return model.to(torch.bfloat16).eval()
+    return tiny_model(family, int(torch.randint(2**62, (1,), generator=gen)),
+                      single_moe_layer=single_moe_layer)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_BLOCKS]
+    return moe_blocks(model)
 
 
 def _ids(gen: torch.Generator) -> torch.Tensor:
@@ -426,3 +396,154 @@ def test_training_through_the_experts_is_refused(gen):
     x = torch.randn(1, 2, H, generator=gen).to(torch.bfloat16).requires_grad_()
     with pytest.raises(ValueError, match="inference only"):
         block(x)
+
+
+# ---- several ranks: the checks that run before anything changes (no GPU needed) -------------
+
+def test_several_ranks_are_checked_on_every_rank_before_anything_changes(gen, monkeypatch):
+    """With R > 1 ranks (faked here: the group size and the all_gather_object), a CPU device,
+    experts that do not split, another rank's failure or different blocks on another rank
+    raise on this rank too, and nothing is modified."""
+    import torch.distributed as dist
+
+    import moestream.integrations.transformers as tfi
+    block = _qwen3_block(gen)                 # 4 experts
+    experts = block.experts
+    ranks, peer = {"n": 2}, {}
+    gathered = []
+
+    def fake_all_gather_object(out, obj, group=None):
+        assert group == "a group" and len(out) == ranks["n"]
+        gathered.append(obj)
+        out[:] = [obj] + [peer.get("summary", obj)] * (len(out) - 1)
+
+    monkeypatch.setattr(tfi, "_resolve_group", lambda group: ("a group", ranks["n"]))
+    monkeypatch.setattr(dist, "all_gather_object", fake_all_gather_object)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(ValueError, match=r"Qwen3MoeSparseMoeBlock.*with 2 ranks the experts and "
+                                         r"buffers must be on a CUDA device"):
+        replace_moe_blocks(block, block_m=16)
+    assert gathered[-1]["error"] is not None   # the peers were told before this rank raised
+    ranks["n"] = 3
+    with pytest.raises(ValueError, match=r"num_experts \(4\) must be divisible by the number of "
+                                         r"ranks \(3\)"):
+        replace_moe_blocks(block, block_m=16, device="cuda")
+    ranks["n"] = 2
+    peer["summary"] = dict(error="rank 1's own reason", blocks=[])
+    with pytest.raises(ValueError, match=r"rank 1 of the group could not replace its MoE blocks, "
+                                         r"so no rank does: rank 1's own reason"):
+        replace_moe_blocks(block, block_m=16, device="cuda")
+    peer["summary"] = dict(error=None, blocks=[])
+    with pytest.raises(ValueError, match=r"same MoE blocks and arguments on every rank of the "
+                                         r"group \(rank 0 vs rank 1: 1 vs 0 blocks\)"):
+        replace_moe_blocks(block, block_m=16, device="cuda")
+    assert block.experts is experts
+    assert gathered[-1]["error"] is None
+    assert gathered[-1]["blocks"][0][1] == "Qwen3MoeSparseMoeBlock"
+
+
+def test_the_multi_gpu_worker_runs_on_one_cpu_rank(gen):
+    """tests/test_integrations_multigpu.py's worker, with one gloo rank on the CPU (the group
+    path of replace_moe_blocks with a real process group, generate with synced_gpus, teacher
+    forcing), judged as the GPU test judges it."""
+    from moestream.distributed import spawn
+    from test_integrations_multigpu import compare_generation, ep_worker
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    (res,) = spawn(ep_worker, world_size=1, backend="gloo",
+                   args=(seed, "cpu", ("qwen3_moe",), 4, 16), timeout_s=300)
+    f = res["qwen3_moe"]
+    assert f["logits"]["err"] <= TOL and f["logits"]["err_again"] <= TOL, f["logits"]
+    assert f["logits"]["held"] == [dict(range=(0, 4), want=(0, 4), weights_exact=True)]
+    assert len(f["blocks"]) == 2 and max(f["blocks"]) <= TOL, f["blocks"]
+    g = f["generate"]
+    assert g["orig_tokens"].shape == g["new_tokens"].shape == (2, 4)
+    assert g["forced_logits"].shape == g["orig_logits"].shape == (4, 2, VOCAB)
+    res = compare_generation(g["orig_tokens"], g["new_tokens"], g["orig_logits"],
+                             g["new_logits"], g["forced_logits"])
+    assert not res["problems"], res
+
+
+def test_generation_comparison_allows_only_near_ties(gen):
+    from test_integrations_multigpu import compare_generation
+    N, B, V = 6, 2, VOCAB
+    logits = torch.randn(N, B, V, generator=gen)
+    tokens = logits.argmax(-1).T.contiguous()          # [B, N], greedy
+    noise = 1e-3 * torch.randn(N, B, V, generator=gen)
+    ok = compare_generation(tokens, tokens.clone(), logits, logits + noise, logits + noise)
+    assert ok["problems"] == [] and ok["flips"] == []
+    # row 1 flips at step 2 to the runner-up: allowed when the two were nearly tied
+    runner_up = logits[2, 1].topk(2).indices[1]
+    near = logits.clone()
+    near[2, 1, runner_up] = near[2, 1, tokens[1, 2]] - 0.01
+    flipped = tokens.clone()
+    flipped[1, 2:] = runner_up
+    res = compare_generation(tokens, flipped, near, near + noise, near + noise)
+    assert res["problems"] == [] and [f[:2] for f in res["flips"]] == [(1, 2)]
+    # the same flip where the original preferred its token by 1.0 is a failure
+    far = logits.clone()
+    far[2, 1, runner_up] = far[2, 1, tokens[1, 2]] - 1.0
+    res = compare_generation(tokens, flipped, far, far + noise, far + noise)
+    assert len(res["problems"]) == 1 and "not a near-tie" in res["problems"][0]
+    # a wrong decode step shows in the teacher-forced logits even when the tokens agree
+    bad = logits + noise
+    bad[4] = torch.randn(B, V, generator=gen)
+    res = compare_generation(tokens, tokens.clone(), logits, logits + noise, bad)
+    assert len(res["problems"]) == 1 and "teacher-forced step 4" in res["problems"][0]
+
+
+# ---- moestream bench-layer (its GPU run times the real sizes; here its code on tiny ones) -----
+
+def test_bench_layer_worker_runs_on_the_cpu(tmp_path):
+    import json
+
+    from moestream.bench_layer import report, run_layer_bench
+    res = run_layer_bench(families=["deepseek_v3"], decode=[2], prefill=[16],
+                          providers=["transformers", "transformers-eager", "moestream",
+                                     "moestream-graph"],     # skipped on the CPU
+                          reps=2, warmup=1, device="cpu", tiny=True, block_m=16,
+                          progress=False)
+    assert res["failures"] == []
+    rows = res["rows"]
+    assert [(r["phase"], r["tokens_per_rank"], r["provider"]) for r in rows] == [
+        (ph, t, p) for ph, t in (("decode", 2), ("prefill", 16))
+        for p in ("transformers", "transformers-eager", "moestream")]
+    for r in rows:
+        assert r["shape"] == "deepseek_v3-layer" and r["ranks"] == 1 and r["median_us"] > 0
+        assert r["clock"] == "perf_counter" and r["experts"] == 8 and r["top_k"] == 2
+        assert 0 < r["rel_error_moe"] <= TOL and 0 < r["rel_error_layer"] <= TOL
+        assert r["experts_impl"] == {"transformers-eager": "eager",
+                                     "moestream": "moestream"}.get(r["provider"],
+                                                                   r["experts_impl"])
+        assert r["speedup_vs_transformers"] > 0
+    out, png = tmp_path / "layer.jsonl", tmp_path / "layer.png"
+    report(rows, out=str(out), plot=str(png))
+    assert [json.loads(line)["provider"] for line in out.read_text().splitlines()] == \
+        [r["provider"] for r in rows]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_layer_arguments(capsys):
+    from moestream.bench_layer import layer_config, run_layer_bench
+    from moestream.cli import main
+    with pytest.raises(ValueError, match="unknown family 'llama'"):
+        run_layer_bench(families=["llama"], device="cpu")
+    with pytest.raises(ValueError, match="unknown provider 'vllm'"):
+        run_layer_bench(providers=["vllm"], device="cpu")
+    with pytest.raises(ValueError, match="decode batch sizes must be positive ints"):
+        run_layer_bench(decode=[0], device="cpu")
+    with pytest.raises(ValueError, match="at least one decode batch size or prefill length"):
+        run_layer_bench(decode=[], prefill=[], device="cpu")
+    with pytest.raises(ValueError, match="reps must be an int >= 1"):
+        run_layer_bench(reps=0, device="cpu")
+    with pytest.raises(ValueError, match="device='cpu' runs one rank"):
+        run_layer_bench(device="cpu", world=2)
+    with pytest.raises(ValueError, match="deepseek_v3: experts must be a multiple of its 8"):
+        layer_config("deepseek_v3", experts=12)
+    assert layer_config("qwen3_moe").num_experts == 128
+    assert layer_config("mixtral", experts=4).num_local_experts == 4
+    with pytest.raises(SystemExit) as exc:
+        main(["bench-layer", "--family", "llama"])
+    assert exc.value.code == 2 and "expected a comma-separated list from" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench-layer", "--decode", "1"]) == 2
+        assert "needs CUDA GPUs" in capsys.readouterr().out

@@ -206,7 +206,13 @@ class MegaMoEExperts(nn.Module):
             raise ValueError("moestream's experts are inference only: call model.eval() or run "
                              "under torch.no_grad() / torch.inference_mode()")
         lead = hidden_states.shape[:-1]
-        with torch.no_grad():
+        # inference_mode(False): state the layer creates lazily on its first call (the buffer's
+        # pinned diagnostics copy, cached tables) and updates in place on later calls must be
+        # ordinary tensors. Created inside a caller's torch.inference_mode() they would be
+        # inference tensors, and the next call outside it (generate() runs under no_grad)
+        # would fail with "Inplace update to inference tensor outside InferenceMode". Reading
+        # the caller's inference tensors in here is allowed.
+        with torch.inference_mode(False), torch.no_grad():
             x = hidden_states.detach().reshape(-1, cfg.hidden).to(torch.bfloat16).contiguous()
             T = x.shape[0]
             idx = top_k_index.detach().reshape(T, top_k_index.shape[-1])
@@ -368,6 +374,60 @@ def _plan_block(name: str, block: nn.Module, *, buffer_tokens: int, block_m: int
     return _Plan(name, block, style, layout, config, device, norm)
 
 
+def _resolve_group(group):
+    """(group, ranks) as ``MegaMoE`` resolves them: None means the default group when
+    torch.distributed is initialised, else one rank in this process (group None)."""
+    import torch.distributed as dist
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        return None, 1
+    try:
+        return group, dist.get_world_size(group)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"group must be a torch.distributed process group of this process, got "
+                         f"{group!r} ({e})") from e
+
+
+def _check_for_ranks(plans: list[_Plan], ranks: int) -> None:
+    """What several ranks need of every block: a CUDA device and experts that split evenly."""
+    for p in plans:
+        where = f"{p.name or 'the model'} ({type(p.block).__name__})"
+        if p.device.type != "cuda":
+            raise ValueError(f"{where}: with {ranks} ranks the experts and buffers must be on a "
+                             f"CUDA device (symmetric memory over NVLink), but they would go to "
+                             f"{p.device}; move the model to this rank's GPU first or pass "
+                             f"device=")
+        try:
+            p.config.check_ranks(ranks)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+
+
+def _agree(plans: list[_Plan], error: ValueError | None, group, ranks: int) -> None:
+    """Collective: every rank learns whether every rank could plan, and that all planned the
+    same blocks with the same sizes (the buffers are symmetric: a mismatch would corrupt peer
+    memory or hang). Every rank then raises alike, so none is left waiting in a collective."""
+    import torch.distributed as dist
+    mine = dict(error=None if error is None else str(error),
+                blocks=[(p.name, type(p.block).__name__, p.config.to_dict()) for p in plans])
+    every: list = [None] * ranks
+    dist.all_gather_object(every, mine, group=group)
+    if error is not None:
+        raise error
+    me = dist.get_rank(group)
+    for r, theirs in enumerate(every):
+        if theirs["error"] is not None:
+            raise ValueError(f"rank {r} of the group could not replace its MoE blocks, so no rank "
+                             f"does: {theirs['error']}")
+    for r, theirs in enumerate(every):
+        if theirs["blocks"] != mine["blocks"]:
+            diff = next((f"{a} vs {b}" for a, b in zip(mine["blocks"], theirs["blocks"])
+                         if a != b), f"{len(mine['blocks'])} vs {len(theirs['blocks'])} blocks")
+            raise ValueError(f"replace_moe_blocks must see the same MoE blocks and arguments on "
+                             f"every rank of the group (rank {me} vs rank {r}: {diff})")
+
+
 @torch.no_grad()
 def _convert(plan: _Plan, *, group) -> None:
     moe = MegaMoE(plan.config, group=group, device=plan.device)
@@ -387,46 +447,9 @@ def _convert(plan: _Plan, *, group) -> None:
             block)
 
 
-def replace_moe_blocks(model: nn.Module, *, group=None, dtype: torch.dtype = torch.bfloat16,
-                       buffer_tokens: int | None = None, block_m: int | None = None,
-                       device: str | torch.device | None = None) -> nn.Module:
-    """Run the routed experts of a transformers MoE model on ``moestream.MegaMoE``, in place.
-
-    Finds every Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 sparse MoE block, copies this
-    rank's routed experts into a ``MegaMoE`` (w13 [E/R, 2I, H] gate rows then up rows, w2
-    [E/R, H, I], bf16) and frees the block's original experts (all of them: the ones other ranks
-    own are not needed here). The model's router, shared experts and the block's return value
-    are kept. Call it after the model is loaded, and on its device unless ``device`` says where
-    the experts go; inference only.
-
-    Collective when ``group`` has several ranks: every rank calls it on the same model
-    architecture, and afterwards every rank must run the same MoE layers in the same order
-    (each layer's forward is a collective call).
-
-    Args:
-        model: a transformers model (or a single supported block).
-        group: torch.distributed process group to split the experts over (rank r holds experts
-            [r*E/R, (r+1)*E/R)). None: the default group when torch.distributed is initialised
-            (as ``MegaMoE``), else one rank holding every expert in this process.
-        dtype: the experts' compute dtype; only torch.bfloat16 is implemented.
-        buffer_tokens: most tokens (batch x sequence) one rank passes to one MoE block per
-            forward; each block's buffers are sized for it. Default ``DEFAULT_BUFFER_TOKENS``.
-            With one rank longer inputs are split into chunks; with several it is an error.
-        block_m: ``MoEConfig.block_m`` (pool rows per GEMM block); default MoEConfig's. 16 or 32
-            keep Triton's CPU interpreter fast.
-        device: where the experts and buffers go; default: each block's router device. Lets a
-            model loaded on the CPU copy only this rank's experts to its GPU (move the rest of
-            the model there afterwards: the MegaMoE weights already are).
-
-    Returns:
-        ``model`` (modified in place).
-
-    Raises:
-        ValueError: an MoE-like module of a class not in ``SUPPORTED_BLOCKS``, a supported
-            block whose weights moestream cannot represent (biases, non-SiLU activation, sizes
-            that are not multiples of 128, ...), no MoE block at all, or a bad argument. Nothing
-            is modified when it raises.
-    """
+def _plan_all(model: nn.Module, *, dtype: torch.dtype, buffer_tokens: int | None,
+              block_m: int | None, device) -> list[_Plan]:
+    """Check the arguments and every block (ValueError); changes nothing."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dtype != torch.bfloat16:
@@ -450,6 +473,65 @@ def replace_moe_blocks(model: nn.Module, *, group=None, dtype: torch.dtype = tor
     plans = [_plan_block(name, block, buffer_tokens=buffer_tokens, block_m=block_m, device=device)
              for name, block in blocks]
     del blocks
+    return plans
+
+
+def replace_moe_blocks(model: nn.Module, *, group=None, dtype: torch.dtype = torch.bfloat16,
+                       buffer_tokens: int | None = None, block_m: int | None = None,
+                       device: str | torch.device | None = None) -> nn.Module:
+    """Run the routed experts of a transformers MoE model on ``moestream.MegaMoE``, in place.
+
+    Finds every Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 sparse MoE block, copies this
+    rank's routed experts into a ``MegaMoE`` (w13 [E/R, 2I, H] gate rows then up rows, w2
+    [E/R, H, I], bf16) and frees the block's original experts (all of them: the ones other ranks
+    own are not needed here). The model's router, shared experts and the block's return value
+    are kept. Call it after the model is loaded, and on its device unless ``device`` says where
+    the experts go; inference only.
+
+    Collective when ``group`` has several ranks: every rank calls it on the same model
+    architecture with the same arguments (checked: one all_gather_object over ``group``, after
+    which every rank raises alike when any rank cannot convert), and afterwards every rank must
+    run the same MoE layers in the same order (each layer's forward is a collective call).
+    Several ranks need the experts on CUDA devices (one GPU per rank).
+
+    Args:
+        model: a transformers model (or a single supported block).
+        group: torch.distributed process group to split the experts over (rank r holds experts
+            [r*E/R, (r+1)*E/R)). None: the default group when torch.distributed is initialised
+            (as ``MegaMoE``), else one rank holding every expert in this process.
+        dtype: the experts' compute dtype; only torch.bfloat16 is implemented.
+        buffer_tokens: most tokens (batch x sequence) one rank passes to one MoE block per
+            forward; each block's buffers are sized for it. Default ``DEFAULT_BUFFER_TOKENS``.
+            With one rank longer inputs are split into chunks; with several it is an error.
+        block_m: ``MoEConfig.block_m`` (pool rows per GEMM block); default MoEConfig's. 16 or 32
+            keep Triton's CPU interpreter fast.
+        device: where the experts and buffers go; default: each block's router device. Lets a
+            model loaded on the CPU copy only this rank's experts to its GPU (move the rest of
+            the model there afterwards: the MegaMoE weights already are).
+
+    Returns:
+        ``model`` (modified in place).
+
+    Raises:
+        ValueError: an MoE-like module of a class not in ``SUPPORTED_BLOCKS``, a supported
+            block whose weights moestream cannot represent (biases, non-SiLU activation, sizes
+            that are not multiples of 128, ...), no MoE block at all, or a bad argument; with
+            several ranks also a non-CUDA device, experts that do not split evenly, or another
+            rank's failure or different blocks. Nothing is modified when it raises.
+    """
+    group, ranks = _resolve_group(group)
+    if ranks == 1:
+        plans = _plan_all(model, dtype=dtype, buffer_tokens=buffer_tokens, block_m=block_m,
+                          device=device)
+    else:
+        # Collective from here on: no rank builds a buffer unless every rank can.
+        try:
+            plans, error = _plan_all(model, dtype=dtype, buffer_tokens=buffer_tokens,
+                                     block_m=block_m, device=device), None
+            _check_for_ranks(plans, ranks)
+        except ValueError as e:
+            plans, error = [], e
+        _agree(plans, error, group, ranks)
     while plans:
         _convert(plans.pop(0), group=group)
     return model
