@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,ep,trace,sweep (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,ep,trace,sweep,layer,probe (default env,test,gemm,ep)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -43,4 +43,12 @@ if has sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/fused_sweep.py --shapes ${SWEEP_SHAPES:-qwen3,dsv3} \
     --tokens ${SWEEP_TOKENS:-128,8192} ${SWEEP_VARIANTS:+--variants $SWEEP_VARIANTS} \
     --out "$OUT/fused_sweep.jsonl" 2>&1 | tee "$OUT/sweep.log" | tail -30
+fi
+if has layer; then
+  timeout ${LAYER_TIMEOUT:-170} python3 -m moestream.cli bench-layer ${LAYER_ARGS:-} \
+    --out "$OUT/layer_h200x2.jsonl" --plot "$OUT/layer_h200x2.png" 2>&1 | tee "$OUT/layer.log" | tail -30
+fi
+if has probe; then
+  timeout ${PROBE_TIMEOUT:-120} python3 -m moestream.cli probe ${PROBE_ARGS:---quick} \
+    --out "$OUT/calib_probe.json" 2>&1 | tee "$OUT/probe.log" | tail -30
 fi
