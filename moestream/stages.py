@@ -155,18 +155,21 @@ class Tuning:
                   expert. C must be a positive multiple of block_m.
         "expert"  an L1 block waits for every row of its expert; dispatch tasks of
                   EXPERT_CHUNK_TOKENS source tokens.
+        Chunked modes fix the dispatch task size (dispatch_programs is turned off), so
+        resolving a resolved tuning again changes nothing.
         """
         if granularity == "token":
             return self
         if granularity == "expert":
-            return replace(self, chunk_blocks=EXPERT_CHUNK_BLOCKS,
+            return replace(self, chunk_blocks=EXPERT_CHUNK_BLOCKS, dispatch_programs=0,
                            dispatch_tokens=EXPERT_CHUNK_TOKENS, dispatch_tile=CHUNK_TILE)
         if isinstance(granularity, bool) or not isinstance(granularity, int) \
                 or granularity < block_m or granularity % block_m:
             raise ValueError(f"granularity must be 'token', 'expert' or a positive multiple "
                              f"of block_m={block_m} (tokens per chunk), got {granularity!r}")
         return replace(self, chunk_blocks=granularity // block_m, dispatch_tokens=granularity,
-                       dispatch_tile=min(CHUNK_TILE, next_pow2(granularity)))
+                       dispatch_tile=min(CHUNK_TILE, next_pow2(granularity)),
+                       dispatch_programs=0)
 
     def l1_tile(self, cfg) -> tuple[int, int]:
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k

@@ -60,9 +60,11 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
     tuning = fused_tuning(buf, max(tokens), tuning=tuning, granularity=granularity)
     y = torch.empty(ranks, max(max(tokens), 1), config.hidden, dtype=torch.bfloat16,
                     device=device)
-    run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning)          # compiles, warms up
+    run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning,   # compiles, warms up
+              granularity=granularity)
     trace = _trace_buffer(buf, tuning, device)
-    run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
+    run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace,
+              granularity=granularity)
     buf.check()
     return _rows(trace)
 
@@ -97,7 +99,8 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
         dist.barrier()
         torch.cuda.synchronize()
         trace.fill_(-1)
-        run_fused(buf, [x], [idx], [w], [w13], [w2], y, tuning=tuning, trace=trace)
+        run_fused(buf, [x], [idx], [w], [w13], [w2], y, tuning=tuning, trace=trace,
+                  granularity=granularity)
     torch.cuda.synchronize()
     buf.check()
     rows = _rows(trace)

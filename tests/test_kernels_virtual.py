@@ -457,3 +457,18 @@ def test_fused_with_a_missing_peer_raises(device, gen):
     stages.fused(buf, w13s, w2s, y)
     with pytest.raises(KernelStallError, match="peer ready flag"):
         buf.check()
+
+
+def test_fused_tuning_resolves_once():
+    # a resolved tuning resolves to itself (trace and aot pass one back into run_fused), and
+    # a chunked mode's dispatch task size survives a base tuning with dispatch_programs
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+    base = stages.Tuning(dispatch_programs=5)
+    chunk = stages.fused_tuning(buf, 19, tuning=base, granularity=32)
+    assert (chunk.dispatch_tokens, chunk.chunk_blocks, chunk.dispatch_programs) == (32, 2, 0)
+    assert stages.fused_tuning(buf, 19, tuning=chunk, granularity=32) == chunk
+    assert stages.fused_tuning(buf, 19, tuning=chunk) == chunk
+    token = stages.fused_tuning(buf, 19, tuning=base)
+    assert token.dispatch_tokens == 8 and token.chunk_blocks == 1   # ceil(2 * 19 / 5)
+    assert stages.fused_tuning(buf, 19, tuning=token) == token

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moestream import MoEConfig
-from moestream.schedule import build_schedule
+from moestream.buffer import SymmBuffer
+from moestream.stages import fused_tuning
 from moestream.trace import (collect_virtual, intervals_union, overlap_length, plot_timeline,
                              summarize)
 
@@ -67,9 +68,14 @@ def test_collected_rows_cover_every_ticket(device, granularity):
     rows = collect_virtual(cfg, ranks=2, tokens=tokens, device=device, granularity=granularity,
                            seed=3)
     per = {p: int((rows[:, 0] == p).sum()) for p in range(4)}
-    dt = 1 if granularity == "token" else granularity
+    # the task sizes this device resolves to (GPUs: multi-token dispatch and combine tasks)
+    tuning = fused_tuning(SymmBuffer(cfg, num_ranks=2, device=device), max(tokens),
+                          granularity=granularity)
+    dt, ct = tuning.dispatch_tokens, tuning.combine_tile
+    if granularity != "token":
+        assert dt == granularity
     assert per[0] == 2 * sum(-(-T // dt) for T in tokens)   # each rank pulls from both sources
-    assert per[3] == sum(tokens)
+    assert per[3] == sum(-(-T // ct) for T in tokens)
     assert per[1] > 0 and per[2] > 0
     assert set(rows[:, 1].tolist()) == {0, 1}
     if device == "cpu":
