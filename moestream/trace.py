@@ -231,7 +231,9 @@ def plot_timeline(rows: np.ndarray, path: str, *, title: str = "fused kernel tim
         ax2.set_xlabel("µs since the rank's first task")
         ax2.set_ylabel("tasks done")
         ax2.set_ylim(0, 1.02)
-        ax.set_xlim(ax2.get_xlim())
+        span = (0.0, float((start + dur).max()) * 1.01)
+        ax.set_xlim(span)
+        ax2.set_xlim(span)
     axes[0, 0].legend(handles=[Patch(color=c, label=n) for c, n in zip(COLORS, PHASES)],
                       loc="upper right")
     fig.suptitle(title)
