@@ -16,7 +16,12 @@ import json
 
 import torch
 
+_DEFAULT = dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4, combine_tile=4,
+                combine_chunk=512)   # Tuning.for_fused on a 132-SM GPU
 VARIANTS = {
+    "default": _DEFAULT,
+    "eager": {**_DEFAULT, "dispatch_eager": True},
+    "eager-dp132": {**_DEFAULT, "dispatch_eager": True, "dispatch_programs": 132},
     "l2n128-dp66-ct4": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4,
                             combine_tile=4, combine_chunk=512),
     "l2n128-dp33-ct4": dict(l2_block_n=128, dispatch_programs=33, dispatch_tile=4,

@@ -58,6 +58,8 @@ class Tuning:
         many tasks cover a call (dispatch_tokens = R * T / dispatch_programs, T this rank's
         tokens), leaving the other programs free for GEMM blocks as m-blocks fill up
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
+    dispatch_eager: fused dispatch tiles load picks, slots, weights and the first row chunk
+        at once (fewer peer round trips in a row; also reads rows with no pick here).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
     """
@@ -85,6 +87,7 @@ class Tuning:
     dispatch_programs: int = 0
     combine_tile: int = 1
     combine_chunk: int | None = None
+    dispatch_eager: bool = False
 
     @classmethod
     def hopper(cls, block_m: int) -> "Tuning":
@@ -421,7 +424,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
         BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), TT=tuning.dispatch_tile,
-        CT=tuning.combine_tile,
+        EAGER=tuning.dispatch_eager, CT=tuning.combine_tile,
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk), UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,

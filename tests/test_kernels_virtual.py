@@ -205,13 +205,15 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("tokens, tile, programs", [
-    (3, 2, 0),    # tasks of 3 tokens in tiles of 2: every task's second tile is half masked
-    (5, 8, 0),    # a tile larger than the task
-    (24, 4, 0),   # one task per source (T <= 24)
-    (1, 4, 5),    # dispatch_programs=5: tasks of ceil(2 * 19 / 5) = 8 tokens
+@pytest.mark.parametrize("tokens, tile, programs, eager", [
+    (3, 2, 0, False),    # tasks of 3 tokens in tiles of 2: every second tile is half masked
+    (5, 8, 0, False),    # a tile larger than the task
+    (24, 4, 0, False),   # one task per source (T <= 24)
+    (1, 4, 5, False),    # dispatch_programs=5: tasks of ceil(2 * 19 / 5) = 8 tokens
+    (3, 2, 0, True),     # eager loads: rows read before the picks are known, masked stores
+    (1, 4, 5, True),
 ])
-def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile, programs):
+def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile, programs, eager):
     # dispatch tasks of several tokens (the last one short, tiles past the task's end masked)
     # fill the pool exactly as the token-granular tasks do: stamped rows, sources, weights
     cfg = small_config(num_experts=6, top_k=3)
@@ -219,7 +221,9 @@ def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile, program
     bufs = [SymmBuffer(cfg, num_ranks=R, device=device) for _ in range(2)]
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    tuned = stages.Tuning(dispatch_tokens=tokens, dispatch_tile=tile, dispatch_programs=programs)
+    # hidden_chunk 64: rows move in 4 chunks (the first one peeled off the loop)
+    tuned = stages.Tuning(dispatch_tokens=tokens, dispatch_tile=tile, dispatch_programs=programs,
+                          dispatch_eager=eager, hidden_chunk=64)
     for buf, tuning in zip(bufs, (stages.Tuning(), tuned)):
         poison(buf)
         y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)

@@ -177,50 +177,76 @@ def layout_kernel(
 
 
 @triton.jit
+def _store_rows(pool_x, v, row64, mine, k, h, hm, H, K: tl.constexpr):
+    """v [TT, BH] into the pool row of each of its tokens' picks (row64, mine [TT, K_PAD])."""
+    for kk in tl.static_range(K):
+        sel = k[None, :] == kk
+        r_k = tl.sum(tl.where(sel, row64, 0), axis=1)
+        m_k = tl.sum(tl.where(sel, mine.to(tl.int32), 0), axis=1) > 0
+        tl.store(pool_x + r_k[:, None] * H + h[None, :], v, mask=m_k[:, None] & hm[None, :])
+
+
+@triton.jit
 def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                 off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
                 off_pool_src, off_pool_weight, off_arrival,
-                K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr):
+                K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
+                EAGER: tl.constexpr = False):
     """One dispatch task: tokens [t0, t0 + n) of source rank ``s`` into ``rank``'s pool, TT
     tokens at a time (TT = 1: the token-granular task).
 
     Per TT tokens: reads their K picks from the source; pulls each token that has a pick of
     ``rank``'s experts once, stores it in the pool row of each such pick with its source and
     weight, and release-adds 1 per row to the rows' m-block arrival counters.
+    EAGER: issue the slot, weight and first row-chunk loads together with the picks' load
+    (one peer round trip instead of three in a row; reads the rows of tokens with no pick
+    here too).
     """
     k = tl.arange(0, K_PAD)
     km = k < K
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     x_src = peer_ptr(table, s, off_x, tl.bfloat16) + par64 * T_MAX * H
+    h_0 = tl.arange(0, BH)
+    hm_0 = h_0 < H
     for i in range(0, n, TT):
         t = t0 + i + tl.arange(0, TT)
         tm = t < t0 + n
-        meta = par64 * T_MAX * K + t.to(tl.int64)[:, None] * K + k[None, :]       # [TT, K_PAD]
+        t64 = t.to(tl.int64)
+        meta = par64 * T_MAX * K + t64[:, None] * K + k[None, :]                  # [TT, K_PAD]
         pick = tm[:, None] & km[None, :]
         idx = tl.load(peer_ptr(table, s, off_topk_idx, tl.int32) + meta, mask=pick, other=-1)
+        if EAGER:
+            slot_e = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=pick, other=0)
+            w_e = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=pick,
+                          other=0.0)
+            v_0 = tl.load(x_src + t64[:, None] * H + h_0[None, :],
+                          mask=tm[:, None] & hm_0[None, :])
         le = idx - rank * E_LOC
         mine = pick & (idx >= 0) & (le >= 0) & (le < E_LOC)
         if tl.sum(tl.sum(mine.to(tl.int32), axis=1), axis=0) > 0:
-            slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine, other=0)
-            w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
-                        other=0.0)
+            if EAGER:
+                slot = slot_e
+                w = w_e
+            else:
+                slot = tl.load(peer_ptr(table, s, off_slot, tl.int32) + meta, mask=mine,
+                               other=0)
+                w = tl.load(peer_ptr(table, s, off_topk_weights, tl.float32) + meta, mask=mine,
+                            other=0.0)
             row = tl.load(peer_ptr(table, rank, off_src_row, tl.int32) + le * R + s, mask=mine,
                           other=0) + slot
             mine = mine & (row >= 0) & (row < P)   # a corrupt peer never writes out of bounds
             row64 = row.to(tl.int64)
             wanted = tl.sum(mine.to(tl.int32), axis=1) > 0                           # [TT]
-            t64 = t.to(tl.int64)
-            for h0 in range(0, H, BH):
-                h = h0 + tl.arange(0, BH)
+            if not EAGER:
+                v_0 = tl.load(x_src + t64[:, None] * H + h_0[None, :],
+                              mask=wanted[:, None] & hm_0[None, :])
+            _store_rows(pool_x, v_0, row64, mine, k, h_0, hm_0, H, K)
+            for h0 in range(BH, H, BH):
+                h = h0 + h_0
                 hm = h < H
                 v = tl.load(x_src + t64[:, None] * H + h[None, :],
                             mask=wanted[:, None] & hm[None, :])                     # [TT, BH]
-                for kk in tl.static_range(K):
-                    sel = k[None, :] == kk
-                    r_k = tl.sum(tl.where(sel, row64, 0), axis=1)
-                    m_k = tl.sum(tl.where(sel, mine.to(tl.int32), 0), axis=1) > 0
-                    tl.store(pool_x + r_k[:, None] * H + h[None, :], v,
-                             mask=m_k[:, None] & hm[None, :])
+                _store_rows(pool_x, v, row64, mine, k, h, hm, H, K)
             tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row,
                      (s * T_MAX + t[:, None]) * K + k[None, :], mask=mine)
             tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w, mask=mine)

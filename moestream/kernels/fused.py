@@ -90,7 +90,8 @@ def fused_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-    BH: tl.constexpr, TT: tl.constexpr, CT: tl.constexpr, BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    BH: tl.constexpr, TT: tl.constexpr, EAGER: tl.constexpr, CT: tl.constexpr,
+    BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -137,7 +138,7 @@ def fused_kernel(
             pull_tokens(table, rank, s, t0, tl.minimum(DT, _pick(src_tok, s) - t0), par64,
                         T_MAX, H, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
                         off_slot, off_src_row, off_pool_x, off_pool_src, off_pool_weight,
-                        off_arrival, K, K_PAD, BH, TT)
+                        off_arrival, K, K_PAD, BH, TT, EAGER)
             phase = ticket * 0 + PHASE_DISPATCH
             a = s
             b = t0
