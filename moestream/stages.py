@@ -125,18 +125,18 @@ class Tuning:
         return replace(t, l1_block_n=bn)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
-        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweep F2 on
-        2x H200): 128-wide L2 blocks (the fused launch runs L2 with the L1's 8 warps),
-        dispatch tasks sized so about half the programs dispatch while the rest start GEMM
-        blocks, moving 4 tokens at a time, and combine tasks of 4 tokens. Unchanged under
-        the interpreter (the tests choose their tilings). ``sms``: the GPU's SM count (default
+        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
+        and F3 on 2x H200): 128-wide L2 blocks (the fused launch runs L2 with the L1's 8
+        warps), one dispatch task per program moving 4 tokens at a time with eager loads,
+        and combine tasks of 4 tokens. Unchanged under the interpreter (the tests choose
+        their tilings). ``sms``: the GPU's SM count (default
         the buffer's device's; moestream.aot passes one to compile the GPU defaults)."""
         sms = sms or _constants(buffer).sms
         if not sms:
             return self
         l2n = 128 if buffer.config.hidden % 128 == 0 else self.l2_tile(buffer.config)[0]
-        return replace(self, l2_block_n=l2n, dispatch_programs=max(1, sms // 2),
-                       dispatch_tile=4, combine_tile=4, combine_chunk=512)
+        return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=4,
+                       dispatch_eager=True, combine_tile=4, combine_chunk=512)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs"):
