@@ -352,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shapes", type=_names, default=["dsv3", "v4flash", "qwen3", "mixtral"])
     b.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128, 512, 2048, 8192],
                    help="tokens per rank (EP bench)")
-    b.add_argument("--providers", type=_names, default=["staged", "staged-graph", "torch"])
+    b.add_argument("--providers", type=_names,
+                   default=["staged", "staged-graph", "fused-graph", "chunk128", "chunk256",
+                            "chunkexpert", "torch"],
+                   help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, torch")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--virtual-ranks", type=int, default=0,
                    help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")
