@@ -425,7 +425,8 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
         BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), TT=tuning.dispatch_tile,
         EAGER=tuning.dispatch_eager, CT=tuning.combine_tile,
-        BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk), UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
+        BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
+        UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                      tuning.fused_stages or tuning.l1_stages))

@@ -5,8 +5,9 @@ Legend:
     combine_flag [T_MAX, K] int32  set to 1 by the L2 block that completes (t, k)'s row
     y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
 
-One ticket per token (the fused launch: per CT tokens); the hidden dimension is walked in BH-wide chunks so a program never
-holds more than K x BH values. Picks with id -1 (or outside [0, E)) are skipped.
+One ticket per token (the fused launch: per CT tokens); the hidden dimension is walked in
+BH-wide chunks so a program never holds more than CT x BH values. Picks with id -1 (or outside
+[0, E)) are skipped.
 """
 from __future__ import annotations
 

@@ -14,6 +14,25 @@ measured on this project's 2x H200 pair; see shared/BENCHMARKS.md). Schema
                          Triton kernel pulling rows of row_bytes from the peer / from local HBM
     flag_round_trip_us   float  cross-GPU flag ping-pong through symmetric memory
 
+Optional (read by the fused-kernel execution model only, ``moestream.sim.fused``)::
+
+    fused_kernel.l1_tflops_per_sm, .l1_fixed_us    L1 block (BM x 2*BN1 x H): fixed + FLOP/rate
+    fused_kernel.l2_tflops_per_sm, .l2_fixed_us    L2 block (BM x BN2 x I): fixed + FLOP/rate
+    fused_kernel.dispatch_local_gbps               one program's dispatch rate, local source
+                                                   (bytes read + bytes written)
+    fused_kernel.dispatch_remote_read_gbps         one program's read rate from a peer
+    fused_kernel.combine_gbps                      one program's combine rate (read + written)
+    fused_kernel.ticket_overhead_us                gap between two tickets of one program
+    fused_kernel.launch_early_claims               launch race: second claims among the first P
+    fused_kernel.dispatch_programs_per_sm          token-mode dispatch tasks per call / SMs (0.5)
+    fused_kernel.call_fixed_us.<family>            per-call fixed cost ("graph": CUDA-graph
+                                                   replay of publish, signal, layout, fused)
+    fused_kernel.weight_gbps_per_sm                optional; default hbm_copy_tbps / num_sms
+
+A file without ``fused_kernel`` gets the packaged 2x H200 derivation
+(``moestream/data/calib_h200x2_fused.json``, written by ``python -m moestream.sim.derive``)
+when the fused model asks for it (:meth:`Calibration.fused_kernel`).
+
 Keys such as ``device``, ``source`` and ``note`` are free text and ignored by the model.
 ``math.inf`` rates are allowed in code (``dataclasses.replace``) to build analytic limits.
 """
@@ -28,10 +47,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["Calibration", "DEFAULT_CALIBRATION", "SCHEMA"]
+__all__ = ["Calibration", "FusedKernelCalib", "DEFAULT_CALIBRATION", "FUSED_CALIBRATION",
+           "SCHEMA"]
 
 SCHEMA = "moestream.calib/1"
 DEFAULT_CALIBRATION = "calib_h200x2.json"
+FUSED_CALIBRATION = "calib_h200x2_fused.json"
 
 
 def _positive(name: str, value: Any) -> float:
@@ -44,6 +65,143 @@ def _positive_list(name: str, values: Any) -> tuple[float, ...]:
     if not isinstance(values, (list, tuple)) or not values:
         raise ValueError(f"calibration {name} must be a non-empty list of numbers, got {values!r}")
     return tuple(_positive(f"{name}[{i}]", v) for i, v in enumerate(values))
+
+
+def _rate(name: str, value: Any) -> float:
+    """A positive rate; ``math.inf`` allowed (analytic limits)."""
+    return _positive(name, value)
+
+
+def _nonneg(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"calibration {name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _points(items: Any) -> tuple[tuple[str, int, int, str], ...]:
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"calibration fused_kernel.calibration_points must be a list, got "
+                         f"{items!r}")
+    try:
+        return tuple((str(p["shape"]), int(p["ranks"]), int(p["tokens_per_rank"]),
+                      str(p["provider"])) for p in items)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("calibration fused_kernel.calibration_points items need shape, ranks, "
+                         "tokens_per_rank and provider") from None
+
+
+@dataclass(frozen=True)
+class FusedKernelCalib:
+    """Rates of the fused persistent kernel's tasks, per program (one program per SM).
+
+    Every figure is derived from kernel traces and micro-benchmarks by
+    ``moestream.sim.derive`` (see docs/simulator.md "The fused-kernel model"). Units: TFLOP/s
+    per SM, GB/s (1e9 B/s) per program, µs. ``math.inf`` rates are allowed in code to build
+    analytic limits.
+
+    l1_tflops_per_sm / l1_fixed_us: an L1 block (BM rows x BN1 gate + BN1 up columns, K = H)
+        computes in ``l1_fixed_us + 2*BM*2*BN1*H / rate``.
+    l2_tflops_per_sm / l2_fixed_us: an L2 block (BM x BN2, K = I), the same form.
+    dispatch_local_gbps: bytes a dispatch task moves per µs from its own rank's tokens
+        (each token read once, written to each of its pool rows; read + written bytes).
+    dispatch_remote_read_gbps: a dispatch task's read rate from a peer's tokens (its pool
+        writes still go at ``dispatch_local_gbps``).
+    combine_gbps: a combine task's rate (top-k rows read + the output row written).
+    ticket_overhead_us: time between the end of one ticket and the start of the next on a
+        program (ticket bookkeeping).
+    launch_early_claims: programs whose second launch claim lands before the last programs'
+        first claim (a launch race: such a program runs two of the first P tickets in a row).
+    dispatch_programs_per_sm: token mode sizes dispatch tasks so that ``round(num_sms * this)``
+        tasks cover a call (``Tuning.dispatch_programs``: 0.5 in the kernel the session-3 traces
+        ran, 1.0 in the later default); a fact of the traced kernel version, kept with its
+        rates.
+    call_fixed_us: per-call fixed cost by provider family (``"graph"``: a CUDA-graph replay of
+        the publish, signal and layout launches and the fused launch).
+    weight_gbps_per_sm: HBM rate one SM gets when every SM streams weights (None: the
+        calibration's ``hbm_copy_tbps / num_sms``).
+    calibration_points: (shape, ranks, tokens_per_rank, provider) of the measured rows the
+        fixed cost was calibrated on (validation reports them apart, not as validation).
+    """
+
+    l1_tflops_per_sm: float
+    l2_tflops_per_sm: float
+    dispatch_local_gbps: float
+    dispatch_remote_read_gbps: float
+    combine_gbps: float
+    ticket_overhead_us: float = 0.0
+    launch_early_claims: int = 0
+    dispatch_programs_per_sm: float = 0.5
+    l1_fixed_us: float = 0.0
+    l2_fixed_us: float = 0.0
+    call_fixed_us: Mapping[str, float] = field(default_factory=dict)
+    weight_gbps_per_sm: float | None = None
+    source: str = ""
+    calibration_points: tuple[tuple[str, int, int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("l1_tflops_per_sm", "l2_tflops_per_sm", "dispatch_local_gbps",
+                     "dispatch_remote_read_gbps", "combine_gbps"):
+            _rate(f"fused_kernel.{name}", getattr(self, name))
+        for name in ("ticket_overhead_us", "l1_fixed_us", "l2_fixed_us"):
+            _nonneg(f"fused_kernel.{name}", getattr(self, name))
+        if isinstance(self.dispatch_programs_per_sm, bool) or not isinstance(
+                self.dispatch_programs_per_sm, (int, float)) \
+                or not 0 < self.dispatch_programs_per_sm <= 64:
+            raise ValueError(f"calibration fused_kernel.dispatch_programs_per_sm must be in "
+                             f"(0, 64], got {self.dispatch_programs_per_sm!r}")
+        e = self.launch_early_claims
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"calibration fused_kernel.launch_early_claims must be an int >= 0, "
+                             f"got {e!r}")
+        if not isinstance(self.call_fixed_us, Mapping):
+            raise ValueError(f"calibration fused_kernel.call_fixed_us must map family -> µs, "
+                             f"got {self.call_fixed_us!r}")
+        for k, v in self.call_fixed_us.items():
+            _nonneg(f"fused_kernel.call_fixed_us.{k}", v)
+        if self.weight_gbps_per_sm is not None:
+            _rate("fused_kernel.weight_gbps_per_sm", self.weight_gbps_per_sm)
+
+    _KEYS = ("l1_tflops_per_sm", "l2_tflops_per_sm", "dispatch_local_gbps",
+             "dispatch_remote_read_gbps", "combine_gbps")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FusedKernelCalib":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"calibration fused_kernel must be an object, got {d!r}")
+        missing = [k for k in cls._KEYS if k not in d]
+        if missing:
+            raise ValueError(f"calibration is missing the key 'fused_kernel.{missing[0]}' "
+                             f"(schema {SCHEMA}: see moestream.sim.calib)")
+        fixed = d.get("call_fixed_us", {})
+        if not isinstance(fixed, Mapping):
+            raise ValueError(f"calibration fused_kernel.call_fixed_us must map family -> µs, "
+                             f"got {fixed!r}")
+        return cls(**{k: d[k] for k in cls._KEYS},
+                   ticket_overhead_us=d.get("ticket_overhead_us", 0.0),
+                   launch_early_claims=d.get("launch_early_claims", 0),
+                   dispatch_programs_per_sm=d.get("dispatch_programs_per_sm", 0.5),
+                   l1_fixed_us=d.get("l1_fixed_us", 0.0), l2_fixed_us=d.get("l2_fixed_us", 0.0),
+                   call_fixed_us={str(k): v for k, v in fixed.items()},
+                   weight_gbps_per_sm=d.get("weight_gbps_per_sm"),
+                   source=str(d.get("source", "")),
+                   calibration_points=_points(d.get("calibration_points", [])))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in self._KEYS}
+        out.update(ticket_overhead_us=self.ticket_overhead_us,
+                   launch_early_claims=self.launch_early_claims,
+                   dispatch_programs_per_sm=self.dispatch_programs_per_sm,
+                   l1_fixed_us=self.l1_fixed_us,
+                   l2_fixed_us=self.l2_fixed_us, call_fixed_us=dict(self.call_fixed_us))
+        if self.weight_gbps_per_sm is not None:
+            out["weight_gbps_per_sm"] = self.weight_gbps_per_sm
+        if self.source:
+            out["source"] = self.source
+        if self.calibration_points:
+            out["calibration_points"] = [dict(zip(("shape", "ranks", "tokens_per_rank",
+                                                   "provider"), p))
+                                         for p in self.calibration_points]
+        return out
 
 
 @dataclass(frozen=True)
@@ -67,6 +225,7 @@ class Calibration:
     device: str = ""
     source: str = ""
     path: str | None = field(default=None, compare=False)
+    fused: FusedKernelCalib | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms <= 0:
@@ -110,7 +269,9 @@ class Calibration:
                 device_pull_peer_gbps=_positive("device_pull.peer_gbps", dp["peer_gbps"]),
                 device_pull_local_gbps=_positive("device_pull.local_gbps", dp["local_gbps"]),
                 flag_round_trip_us=_positive("flag_round_trip_us", d["flag_round_trip_us"]),
-                device=str(d.get("device", "")), source=str(d.get("source", "")), path=path)
+                device=str(d.get("device", "")), source=str(d.get("source", "")), path=path,
+                fused=(FusedKernelCalib.from_dict(d["fused_kernel"]) if "fused_kernel" in d
+                       else None))
         except KeyError as exc:
             raise ValueError(f"calibration is missing the key {exc.args[0]!r} (schema "
                              f"{SCHEMA}: see moestream.sim.calib)") from None
@@ -143,7 +304,26 @@ class Calibration:
                             "peer_gbps": self.device_pull_peer_gbps,
                             "local_gbps": self.device_pull_local_gbps},
             "flag_round_trip_us": self.flag_round_trip_us,
+            **({"fused_kernel": self.fused.to_dict()} if self.fused is not None else {}),
         }
+
+    def fused_kernel(self) -> FusedKernelCalib:
+        """The fused-kernel rates: this file's ``fused_kernel`` section, else the packaged
+        2x H200 derivation (``moestream/data/calib_h200x2_fused.json``)."""
+        if self.fused is not None:
+            return self.fused
+        ref = resources.files("moestream") / "data" / FUSED_CALIBRATION
+        fk = json.loads(ref.read_text()).get("fused_kernel")
+        if fk is None:
+            raise ValueError(f"the packaged {FUSED_CALIBRATION} has no fused_kernel section")
+        return FusedKernelCalib.from_dict(fk)
+
+    def weight_gbps_per_sm(self) -> float:
+        """HBM rate of one SM while every SM streams weights (GB/s)."""
+        fk = self.fused_kernel()
+        if fk.weight_gbps_per_sm is not None:
+            return fk.weight_gbps_per_sm
+        return self.hbm_copy_tbps * 1e3 / self.num_sms
 
     # ---- derived rates --------------------------------------------------------------------
     @property

@@ -70,6 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NVLink domain size of the rdma fabric (default 8)")
     p.add_argument("--dispatch-order", default="pool", choices=("pool", "source"),
                    help="pull order: pool (expert by expert, Mega MoE) or source (rank by rank)")
+    p.add_argument("--exec", dest="execution", default="auto", choices=("auto", "stream", "fused"),
+                   help="execution model: stream (dedicated comm SMs, standalone GEMM rates: "
+                        "what a persistent kernel could do) or fused (the project's fused "
+                        "kernel as built: every program takes dispatch, GEMM and combine "
+                        "tickets in order, rates from kernel traces, per-call fixed cost). "
+                        "auto: stream for simulations; with --validate, fused for the fused "
+                        "and chunked providers and stream for staged ones")
+    p.add_argument("--programs", type=int, default=None,
+                   help="--exec fused: programs per rank (default one per SM)")
     p.add_argument("--calib", default=None, help="calibration JSON (default: packaged 2x H200)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
@@ -107,11 +116,16 @@ def run(args: argparse.Namespace) -> int:
         calib = Calibration.load(args.calib)
         cfg = MoEConfig.from_shape(args.shape, max_tokens_per_rank=max(1, args.tokens))
         chunks = parse_chunks(args.chunks, block_m=cfg.block_m)
+        execution = getattr(args, "execution", "auto")
+        if execution == "fused":
+            kw = dict(execution="fused", programs=getattr(args, "programs", None))
+        else:
+            kw = dict(comm_sms=args.comm_sms, gemm=args.gemm,
+                      dispatch_order=args.dispatch_order)
         cmp = compare(granularities=chunks, shape=args.shape, ranks=args.ranks,
-                      tokens_per_rank=args.tokens, link=args.link, comm_sms=args.comm_sms,
-                      calib=calib, gemm=args.gemm, routing=args.routing, skew=args.skew,
-                      seed=args.seed, dispatch_order=args.dispatch_order,
-                      gpus_per_node=args.gpus_per_node)
+                      tokens_per_rank=args.tokens, link=args.link, calib=calib,
+                      routing=args.routing, skew=args.skew, seed=args.seed,
+                      gpus_per_node=args.gpus_per_node, **kw)
     except ValueError as exc:
         print(f"moestream simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +155,7 @@ def run_validate(args: argparse.Namespace) -> int:
         rows = load_rows(args.validate)
         results = validate(rows, calib=calib, link=args.link, comm_sms=args.comm_sms,
                            gemm=args.gemm, seed=args.seed, dispatch_order=args.dispatch_order,
-                           skew=args.skew)
+                           skew=args.skew, execution=getattr(args, "execution", "auto"))
     except ValueError as exc:
         print(f"moestream simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -150,14 +164,18 @@ def run_validate(args: argparse.Namespace) -> int:
         why = skip_reason(r)
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
-    title = (f"simulator ({args.link}, {args.comm_sms} comm SMs, GEMM {args.gemm}, calibration "
-             f"{calib.device or calib.path}) vs {', '.join(args.validate)}")
+    execution = getattr(args, "execution", "auto")
+    models = {"auto": "fused-kernel model for fused/chunked rows, stream model for staged",
+              "fused": "fused-kernel model", "stream": "stream model"}[execution]
+    title = (f"simulator ({models}; {args.link}, stream: {args.comm_sms} comm SMs, GEMM "
+             f"{args.gemm}; calibration {calib.device or calib.path}) vs "
+             f"{', '.join(args.validate)}")
     table, notes = validation_table(results, title=title)
     console.print(table)
     for note in notes:
         console.print(note)
     s = summarize(results)
-    if results:
+    if s["rows"]:
         console.print(f"[bold]{s['within_20pct']} of {s['rows']} rows within 20% "
                       f"({s['fraction_within_20pct']:.0%})[/]; measured / model: median "
                       f"{s['median_ratio']:.2f}, range {s['min_ratio']:.2f} .. "
@@ -168,10 +186,14 @@ def run_validate(args: argparse.Namespace) -> int:
                           f"({b['min_ratio']:.2f} .. {b['max_ratio']:.2f})")
     else:
         console.print("no row to compare")
+    if s["calibration_points"]:
+        console.print(f"{s['calibration_points']} row(s) marked calib. are the calibration "
+                      f"points of the per-call fixed cost, not counted")
     for why, n in skipped.items():
         console.print(f"skipped {n} row(s): {why}")
-    console.print("Model output vs measurements; the model has no per-call fixed cost (launches, "
-                  "setup steps), see docs/simulator.md \"Validation\".")
+    console.print("Model output vs measurements; the stream model has no per-call fixed cost, "
+                  "the fused-kernel model a calibrated one; see docs/simulator.md "
+                  "\"Validation\".")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": s, "rows": results, "skipped": skipped}, f, indent=1)

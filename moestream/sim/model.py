@@ -9,6 +9,9 @@ each L2 block after all L1 n-blocks of its rows, taking tickets in the order of
 ``moestream.schedule``. A task's time on one SM is its FLOPs over 1/num_sms of the calibrated
 grouped-GEMM rate at the expert's row count. Finished rows go back to their source in the same
 messages, and each source reduces its tokens' top-k rows. The slowest rank sets the layer time.
+
+``simulate(..., execution="fused")`` runs the fused-kernel model instead
+(``moestream.sim.fused``: the project's fused launch as built, no comm SMs, rates from traces).
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from .gemm import schedule_gemm
 from .links import CLASS_NAMES, LOCAL, Fabric, make_fabric
 from .plan import Granularity, Plan, build_plan, granularity_label, make_routing, parse_granularity
 
-__all__ = ["simulate", "SimResult", "compare", "Comparison", "resolve_config"]
+__all__ = ["simulate", "SimResult", "compare", "Comparison", "resolve_config", "EXECUTIONS"]
+
+EXECUTIONS = ("stream", "fused")
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,9 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
              granularity: Granularity | str = "token", comm_sms: int = 16,
              calib: Calibration | None = None, gemm: str = "triton",
              routing: str | np.ndarray = "uniform", skew: float = 0.3, seed: int = 0,
-             dispatch_order: str = "pool", gpus_per_node: int = 8) -> SimResult:
+             dispatch_order: str = "pool", gpus_per_node: int = 8,
+             execution: str = "stream", family: str = "graph",
+             programs: int | None = None) -> SimResult:
     """Simulate one MoE layer call on ``ranks`` ranks.
 
     Args:
@@ -168,14 +175,27 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
         dispatch_order: ``"pool"`` (pull in pool order, expert by expert, as Mega MoE does) or
             ``"source"`` (source rank by source rank).
         gpus_per_node: NVLink domain size of the ``rdma`` fabric.
+        execution: ``"stream"`` (this module's model: dedicated comm SMs, GEMMs at the
+            grouped-GEMM curve) or ``"fused"`` (``moestream.sim.fused``: the project's fused
+            kernel as built; returns a :class:`~moestream.sim.fused.FusedResult`, and
+            ``comm_sms``, ``gemm`` and ``dispatch_order`` do not apply).
+        family: fused execution only: the per-call fixed cost added (``"graph"``, ``"none"``).
+        programs: fused execution only: programs per rank (default one per SM).
     """
     calib = Calibration.load() if calib is None else calib
     cfg, T = resolve_config(shape=shape, config=config, tokens_per_rank=tokens_per_rank)
     cfg.check_ranks(ranks)
     g = parse_granularity(granularity)
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {execution!r}")
     fabric = _fabric(link, calib, gpus_per_node)
     arr, routing_name = _routing_array(routing, config=cfg, ranks=ranks, tokens=T, skew=skew,
                                        seed=seed)
+    if execution == "fused":
+        from .fused import simulate_fused
+        return simulate_fused(config=cfg, routing=arr, fabric=fabric, granularity=g,
+                              calib=calib, family=family, programs=programs, shape=shape,
+                              routing_name=routing_name)
     plan = build_plan(config=cfg, routing=arr, fabric=fabric, granularity=g, comm_sms=comm_sms,
                       calib=calib, gemm=gemm, dispatch_order=dispatch_order)
     tl, _ = run_plan(plan)
@@ -290,11 +310,21 @@ class Comparison:
 
     def title(self) -> str:
         t = self.token
+        if getattr(t, "execution", "stream") == "fused":
+            return (f"{t.shape or 'custom'} EP{t.num_ranks}, {t.tokens_per_rank} tok/rank, "
+                    f"{t.link}, {t.routing}, fused kernel ({t.tuning.programs} programs, "
+                    f"fixed {t.fixed_us:.0f} us)")
         return (f"{t.shape or 'custom'} EP{t.num_ranks}, {t.tokens_per_rank} tok/rank, "
                 f"{t.link}, {t.routing}, {t.comm_sms} comm SMs, GEMM {t.gemm}")
 
     def footer(self) -> str:
         t = self.token
+        if getattr(t, "execution", "stream") == "fused":
+            return (f"Model output (fused-kernel execution), not a measurement. msgs/rank = "
+                    f"dispatch tasks per rank. Floors (token): task time over programs "
+                    f"{t.compute_floor_us:.1f} us, link {t.link_floor_us:.1f} us; layer "
+                    f"includes the per-call fixed cost {t.fixed_us:.1f} us. vs token = layer / "
+                    f"token layer (> 1: slower than token).")
         return (f"Model output, not a measurement. Floors (token): compute "
                 f"{t.compute_floor_us:.1f} us, link {t.link_floor_us:.1f} us. "
                 f"vs token = layer / token layer (> 1: slower than token).")

@@ -213,24 +213,80 @@ def stable_argsort(keys: np.ndarray, max_key: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def build_plan(*, config: MoEConfig, routing: np.ndarray, fabric: Fabric,
-               granularity: Granularity, comm_sms: int, calib: Calibration, gemm: str,
-               dispatch_order: str = "pool") -> Plan:
-    """The plan of one call. ``routing`` is [R, T, K] global expert ids, -1 for no pick."""
-    cfg = config
+@dataclass(frozen=True)
+class PoolBlocks:
+    """Where picks sit in the pool and the BLOCK_M-row blocks of every expert (all ranks'
+    experts numbered globally, blocks in expert order).
+
+    Per expert [E]: ``count`` picks, ``expert_start`` pool position, ``m_blocks``,
+    ``expert_block0`` first block. Per pick [P]: ``pool_pos``, ``row_in_expert``,
+    ``pick_block``. Per block [num_blocks]: ``blk_expert``, ``blk_m`` (block of its expert),
+    ``blk_valid`` rows, ``blk_rank`` (the rank owning its expert)."""
+
+    count: np.ndarray
+    expert_start: np.ndarray
+    m_blocks: np.ndarray
+    expert_block0: np.ndarray
+    pool_pos: np.ndarray
+    row_in_expert: np.ndarray
+    pick_block: np.ndarray
+    blk_expert: np.ndarray
+    blk_m: np.ndarray
+    blk_valid: np.ndarray
+    blk_rank: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blk_expert.size)
+
+
+def pool_blocks(e: np.ndarray, pool_perm: np.ndarray, *, num_experts: int, block_m: int,
+                experts_per_rank: int) -> PoolBlocks:
+    """``PoolBlocks`` of picks with global expert ids ``e`` [P] in pool order ``pool_perm``."""
+    count = np.bincount(e, minlength=num_experts)               # picks per global expert
+    expert_start = np.cumsum(count) - count                     # pool position of each expert
+    pool_pos = np.empty(e.size, dtype=np.int64)
+    pool_pos[pool_perm] = np.arange(e.size)
+    row_in_expert = pool_pos - expert_start[e]
+    m_blocks = -(-count // block_m)
+    expert_block0 = np.cumsum(m_blocks) - m_blocks
+    blk_expert = np.repeat(np.arange(num_experts), m_blocks)
+    blk_m = np.arange(blk_expert.size) - expert_block0[blk_expert]
+    return PoolBlocks(count=count, expert_start=expert_start, m_blocks=m_blocks,
+                      expert_block0=expert_block0, pool_pos=pool_pos,
+                      row_in_expert=row_in_expert,
+                      pick_block=expert_block0[e] + row_in_expert // block_m,
+                      blk_expert=blk_expert, blk_m=blk_m,
+                      blk_valid=np.minimum(block_m, count[blk_expert] - blk_m * block_m),
+                      blk_rank=blk_expert // experts_per_rank)
+
+
+def check_routing(routing, cfg: MoEConfig) -> np.ndarray:
+    """``routing`` as an [R, T, K] integer array of expert ids in [-1, E) for ``cfg`` and R
+    ranks it can be split over (ValueError naming what is wrong otherwise)."""
     routing = np.asarray(routing)
     if routing.ndim != 3 or routing.shape[2] != cfg.top_k:
         raise ValueError(f"routing must be an [R, T, K={cfg.top_k}] array of expert ids, got "
                          f"shape {routing.shape}")
     if not np.issubdtype(routing.dtype, np.integer):
         raise ValueError(f"routing must hold integer expert ids, got dtype {routing.dtype}")
-    R, T, K = routing.shape
-    cfg.check_ranks(R)
-    E, E_loc, BM = cfg.num_experts, cfg.num_experts // R, cfg.block_m
+    cfg.check_ranks(routing.shape[0])
+    E = cfg.num_experts
     bad = (routing < -1) | (routing >= E)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"routing{list(where)} = {int(routing[where])} is outside [-1, {E})")
+    return routing
+
+
+def build_plan(*, config: MoEConfig, routing: np.ndarray, fabric: Fabric,
+               granularity: Granularity, comm_sms: int, calib: Calibration, gemm: str,
+               dispatch_order: str = "pool") -> Plan:
+    """The plan of one call. ``routing`` is [R, T, K] global expert ids, -1 for no pick."""
+    cfg = config
+    routing = check_routing(routing, cfg)
+    R, T, K = routing.shape
+    E, E_loc, BM = cfg.num_experts, cfg.num_experts // R, cfg.block_m
     if dispatch_order not in ("pool", "source"):
         raise ValueError(f"dispatch_order must be 'pool' or 'source', got {dispatch_order!r}")
     if gemm not in calib.gemm_providers:
@@ -259,19 +315,10 @@ def build_plan(*, config: MoEConfig, routing: np.ndarray, fabric: Fabric,
     # pool order is (expert, source, slot) (the expert id orders rank, then local expert);
     # picks are in source order already, so a stable sort by expert gives it
     pool_perm = stable_argsort(e, E - 1)
-    count = np.bincount(e, minlength=E)                       # picks per global expert
-    expert_start = np.cumsum(count) - count                   # pool position of each expert
-    pool_pos = np.empty(P, dtype=np.int64)
-    pool_pos[pool_perm] = np.arange(P)
-    row_in_expert = pool_pos - expert_start[e]
-    m_blocks = -(-count // BM)
-    expert_block0 = np.cumsum(m_blocks) - m_blocks
-    pick_block = expert_block0[e] + row_in_expert // BM
-    B = int(m_blocks.sum())
-    blk_expert = np.repeat(np.arange(E), m_blocks)
-    blk_m = np.arange(B) - expert_block0[blk_expert]
-    blk_valid = np.minimum(BM, count[blk_expert] - blk_m * BM)
-    blk_rank = blk_expert // E_loc
+    pb = pool_blocks(e, pool_perm, num_experts=E, block_m=BM, experts_per_rank=E_loc)
+    count, expert_start, pool_pos, m_blocks = pb.count, pb.expert_start, pb.pool_pos, pb.m_blocks
+    expert_block0, pick_block, B = pb.expert_block0, pb.pick_block, pb.num_blocks
+    blk_expert, blk_m, blk_valid, blk_rank = pb.blk_expert, pb.blk_m, pb.blk_valid, pb.blk_rank
     block_pool_start = expert_start[blk_expert] + blk_m * BM
     if granularity == "expert":
         nz = np.flatnonzero(count)

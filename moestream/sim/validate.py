@@ -10,7 +10,8 @@ Which provider is which model (``provider_model``; extend with ``register_provid
 ==============================  ==================  ============================================
 provider name                   granularity         flag
 ==============================  ==================  ============================================
-``fused``, ``fused-graph``      token               (what the model describes)
+``fused-graph``                 token               (what the model describes)
+``fused``                       token               flagged: not a graph replay
 ``chunk<C>``                    C tokens            (``moestream bench``'s chunked fused launch)
 ``chunked-<C>``,                C tokens            (BENCHMARKS.md's name, and aliases)
 ``fused-chunk<C>``
@@ -21,11 +22,19 @@ provider name                   granularity         flag
 ``torch``, ``torch-symm``, ...  not modelled        skipped (``skip_reason``)
 ==============================  ==================  ============================================
 
+Which model predicts a row (``execution``): ``"auto"`` (default) runs the fused-kernel model
+(``moestream.sim.fused``: the project's fused launch as built, task rates from kernel traces,
+plus the calibrated per-call fixed cost of CUDA-graph replays) for the fused and chunked
+providers, and the stream model (``moestream.sim.model``: dedicated comm SMs, standalone
+grouped-GEMM rates, no fixed cost) for the staged ones; ``"stream"`` or ``"fused"`` force one
+model for every row. Rows the fixed cost was calibrated on (the calibration's
+``fused_kernel.calibration_points``) are marked ``calibration_point`` and left out of the
+counts of ``summarize``.
+
 Every comparison uses the calibration given (default: the packaged 2x H200 one), the fabric
-``link`` (default ``nvlink``: device-initiated pulls), ``comm_sms`` and the GEMM curve ``gemm``
-(default ``triton``, the project's kernel). The model has no per-call fixed cost (kernel
-launches, the publish / signal / layout steps before the fused launch, host work), which
-dominates measured calls at small T; see docs/simulator.md "Validation".
+``link`` (default ``nvlink``: device-initiated pulls) and, for the stream model, ``comm_sms``
+and the GEMM curve ``gemm`` (default ``triton``, the project's kernel); see
+docs/simulator.md "Validation".
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ from .calib import Calibration
 from .plan import Granularity, granularity_label, parse_granularity
 
 __all__ = ["validate", "summarize", "provider_model", "register_provider", "skip_reason",
-           "load_rows", "ProviderModel", "TOLERANCE", "validation_table"]
+           "load_rows", "ProviderModel", "TOLERANCE", "validation_table", "EXECUTIONS"]
 
 TOLERANCE = 0.2   # "within 20%": |predicted / measured - 1| <= TOLERANCE
 
@@ -62,26 +71,36 @@ class ProviderModel:
 
     granularity: Granularity | str
     flag: str = ""
+    execution: str = "fused"      # the model "auto" picks: "fused" or "stream"
+    graph: bool = True            # calls are CUDA-graph replays (the calibrated fixed cost)
 
+
+NOT_GRAPH_FLAG = ("not a CUDA-graph replay: the host's launch work is not in the calibrated "
+                  "per-call fixed cost")
 
 _EXACT: dict[str, ProviderModel] = {
-    "fused": ProviderModel("token"),
+    "fused": ProviderModel("token", NOT_GRAPH_FLAG, graph=False),
     "fused-graph": ProviderModel("token"),
-    "staged": ProviderModel("token", STAGED_FLAG),
-    "staged-graph": ProviderModel("token", STAGED_FLAG),
+    "staged": ProviderModel("token", STAGED_FLAG, execution="stream", graph=False),
+    "staged-graph": ProviderModel("token", STAGED_FLAG, execution="stream"),
 }
 _CHUNKED = re.compile(r"^(?:chunk|chunked-|fused-chunk-?)(?P<c>\d+|expert|block_m)$")
 _NOT_MODELLED = ("torch", "torch-symm")
 
 
-def register_provider(name: str, *, granularity: Granularity | str, flag: str = "") -> None:
+def register_provider(name: str, *, granularity: Granularity | str, flag: str = "",
+                      execution: str = "fused", graph: bool = True) -> None:
     """Model the provider ``name`` (an exact name) at ``granularity``, with a ``flag`` if the
-    model describes it only approximately. Replaces an earlier registration of the name."""
+    model describes it only approximately; ``execution``: the model ``"auto"`` picks for it
+    (``"fused"`` or ``"stream"``); ``graph``: its calls are CUDA-graph replays. Replaces an
+    earlier registration of the name."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"provider name must be a non-empty str, got {name!r}")
     if granularity != "block_m":
         granularity = parse_granularity(granularity)
-    _EXACT[name] = ProviderModel(granularity, str(flag))
+    if execution not in ("fused", "stream"):
+        raise ValueError(f"execution must be 'fused' or 'stream', got {execution!r}")
+    _EXACT[name] = ProviderModel(granularity, str(flag), execution, bool(graph))
 
 
 def provider_model(provider: str) -> ProviderModel | None:
@@ -162,9 +181,13 @@ def load_rows(paths: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
     return rows
 
 
+EXECUTIONS = ("auto", "stream", "fused")
+
+
 def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Path | None = None,
              link: str = "nvlink", comm_sms: int = 16, gemm: str = "triton", seed: int = 0,
-             dispatch_order: str = "pool", skew: float = 0.3) -> list[dict[str, Any]]:
+             dispatch_order: str = "pool", skew: float = 0.3,
+             execution: str = "auto") -> list[dict[str, Any]]:
     """Simulate every modelled row and compare it with its measured median.
 
     Args:
@@ -174,6 +197,8 @@ def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Pa
         calib: a Calibration or the path of a calibration JSON (default: packaged 2x H200).
         link, comm_sms, gemm, seed, dispatch_order: as for ``moestream.sim.simulate``.
         skew: the hot expert's share of picks for skewed rows that do not record theirs.
+        execution: ``"auto"`` (fused-kernel model for fused / chunked providers, stream model
+            for staged ones), ``"stream"`` or ``"fused"`` (one model for every row).
 
     Returns:
         One dict per compared row, in input order: shape, ranks, tokens_per_rank, provider,
@@ -181,15 +206,25 @@ def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Pa
         model's layer time), ratio (measured / predicted; > 1: the hardware is slower than the
         model), error (predicted / measured - 1), within_20pct (|error| <= 0.2),
         compute_floor_us and link_floor_us (the model's), flag ("" or why the comparison is
-        approximate), source (``_source`` of the row, if any). Times in µs.
+        approximate), source (``_source`` of the row, if any), execution ("stream" or
+        "fused"), fixed_us (the per-call fixed cost in predicted_us), calibration_point (the
+        fixed cost was calibrated on this row). Times in µs.
 
     Raises:
         ValueError: a row lacks a required key, or bad settings (as ``simulate`` raises them).
     """
     from .model import simulate
 
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {execution!r}")
     if not isinstance(calib, Calibration):
         calib = Calibration.load(calib)
+    points: set = set()
+    fixed_known: tuple = ()
+    if execution != "stream":
+        fk = calib.fused_kernel()
+        points = set(fk.calibration_points)
+        fixed_known = tuple(fk.call_fixed_us)
     cache: dict[tuple, Any] = {}
     out: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
@@ -218,12 +253,20 @@ def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Pa
         dtype = str(row.get("dtype") or "bf16")
         if dtype != "bf16":
             flags.append(f"dtype {dtype}: the calibration's GEMM curves are bf16")
-        key = (shape, R, T, g, routing, s if routing == "skewed" else None)
+        ex = pm.execution if execution == "auto" else execution
+        family = "none"
+        if ex == "fused":
+            if "graph" in fixed_known:
+                family = "graph"
+            else:
+                flags.append("no per-call fixed cost in the calibration")
+        key = (ex, family, shape, R, T, g, routing, s if routing == "skewed" else None)
         if key not in cache:
+            kw = dict(execution="fused", family=family) if ex == "fused" else \
+                dict(comm_sms=comm_sms, gemm=gemm, dispatch_order=dispatch_order)
             cache[key] = simulate(shape=shape, ranks=R, tokens_per_rank=T, link=link,
-                                  granularity=g, comm_sms=comm_sms, calib=calib, gemm=gemm,
-                                  routing=routing, skew=s, seed=seed,
-                                  dispatch_order=dispatch_order)
+                                  granularity=g, calib=calib, routing=routing, skew=s,
+                                  seed=seed, **kw)
         res = cache[key]
         measured = float(row["median_us"])
         predicted = float(res.layer_us)
@@ -237,13 +280,18 @@ def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Pa
             "compute_floor_us": float(res.compute_floor_us),
             "link_floor_us": float(res.link_floor_us),
             "flag": "; ".join(flags), "source": row.get("_source", ""),
+            "execution": ex, "fixed_us": float(getattr(res, "fixed_us", 0.0)),
+            "calibration_point": ex == "fused" and (shape, R, T, row["provider"]) in points,
         })
     return out
 
 
 def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Counts of ``validate``'s rows: total and per provider, rows within 20%, the fraction
-    within, and the median and range of measured / predicted."""
+    within, and the median and range of measured / predicted. Calibration points are left out
+    of every count (``calibration_points``: how many there were)."""
+    n_cal = sum(bool(r.get("calibration_point")) for r in results)
+    results = [r for r in results if not r.get("calibration_point")]
     def block(rs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         ratios = [r["ratio"] for r in rs]
         n_in = sum(bool(r["within_20pct"]) for r in rs)
@@ -256,7 +304,7 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     by_provider = {}
     for p in dict.fromkeys(r["provider"] for r in results):
         by_provider[p] = block([r for r in results if r["provider"] == p])
-    return {**block(results), "by_provider": by_provider}
+    return {**block(results), "by_provider": by_provider, "calibration_points": n_cal}
 
 
 def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
@@ -264,11 +312,12 @@ def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
     (``[n]``) whose text is returned as the second item: ``(table, footnotes)``."""
     from rich.table import Table
 
-    t = Table(title=title or "simulator vs measured (model: one fused persistent launch)")
+    t = Table(title=title or "simulator vs measured")
     sources = len({r.get("source", "") for r in results}) > 1
     cols = [("shape", "left"), ("R", "right"), ("T/rank", "right"), ("provider", "left"),
-            ("gran.", "left"), ("measured µs", "right"), ("model µs", "right"),
-            ("meas/model", "right"), ("within 20%", "center"), ("flag", "left")]
+            ("gran.", "left"), ("model", "left"), ("measured µs", "right"),
+            ("model µs", "right"), ("meas/model", "right"), ("within 20%", "center"),
+            ("flag", "left")]
     for col, just in cols + ([("rows file", "left")] if sources else []):
         t.add_column(col, justify=just, no_wrap=True)
     notes: dict[str, int] = {}
@@ -276,8 +325,12 @@ def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
         mark = ""
         if r["flag"]:
             mark = f"[{notes.setdefault(r['flag'], len(notes) + 1)}]"
+        if r.get("calibration_point"):
+            within = "calib."
+        else:
+            within = "[green]yes[/]" if r["within_20pct"] else "[red]no[/]"
         t.add_row(r["shape"], str(r["ranks"]), str(r["tokens_per_rank"]), r["provider"],
-                  r["granularity"], f"{r['measured_us']:.1f}", f"{r['predicted_us']:.1f}",
-                  f"{r['ratio']:.2f}", "[green]yes[/]" if r["within_20pct"] else "[red]no[/]",
+                  r["granularity"], r.get("execution", "stream"), f"{r['measured_us']:.1f}",
+                  f"{r['predicted_us']:.1f}", f"{r['ratio']:.2f}", within,
                   mark, *([str(r.get("source", ""))] if sources else []))
     return t, [f"[{n}] {text}" for text, n in notes.items()]
