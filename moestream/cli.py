@@ -48,9 +48,9 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
     w13, w2 = w13s[rank].to(dev), w2s[rank].to(dev)
     if provider.startswith("torch"):
         fn = lambda: moe_forward_a2a(x, idx, w, w13, w2, num_experts=cfg.num_experts)
-    else:
+    else:   # "staged" or "fused"
         buf = SymmBuffer(cfg, group=dist.group.WORLD, device=dev)
-        fn = lambda: mega_moe(x, idx, w, w13, w2, buf)
+        fn = lambda: mega_moe(x, idx, w, w13, w2, buf, impl=provider)
     y = fn()  # first call compiles
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -62,13 +62,14 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
     seconds = time.perf_counter() - t0
     ref = moe_forward(x, idx, w, torch.cat(w13s).to(dev), torch.cat(w2s).to(dev))
     err = rel_error(y, ref)
-    if provider == "staged":
+    if not provider.startswith("torch"):
         buf.check()
         buf.destroy()
     return rank, err, seconds
 
 
-def _run_virtual(cfg, R: int, T: int, seed: int):
+def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
+                 granularity: int | str = "token"):
     import torch
 
     from . import SymmBuffer, mega_moe_virtual
@@ -84,9 +85,11 @@ def _run_virtual(cfg, R: int, T: int, seed: int):
         idxs.append(i)
         ws.append(w)
     buf = SymmBuffer(cfg, num_ranks=R, device=dev)
-    mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)   # compile / warm up
+    def call():
+        return mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl=impl, granularity=granularity)
+    call()   # compile / warm up
     t0 = time.perf_counter()
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)
+    ys = call()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -122,11 +125,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     jobs = []
     if gpus:
         jobs.append(("staged (mega_moe, NCCL ranks)", "staged", "nccl", R))
+        jobs.append(("fused (mega_moe impl='fused', NCCL ranks)", "fused", "nccl", R))
         jobs.append(("torch all_to_all + grouped GEMM", "torch", "nccl", R))
     else:
         jobs.append(("torch all_to_all + per-expert GEMM (gloo)", "torch-gloo", "gloo", R))
+    # the kernels on R virtual ranks in this process: each streaming mode of the layer
+    chunk = 2 * cfg.block_m
+    virtual = [("staged kernels", "staged", "token"),
+               ("fused kernel, token mode", "fused", "token"),
+               (f"fused kernel, {chunk}-token chunks", "fused", chunk)]
     with Progress(console=con, transient=True) as prog:
-        task = prog.add_task("running", total=len(jobs) + 1)
+        task = prog.add_task("running", total=len(jobs) + len(virtual))
         for label, provider, backend, world in jobs:
             prog.update(task, description=label)
             res = spawn(_run_worker, world_size=world, backend=backend,
@@ -135,11 +144,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             sec = max(r[2] for r in res)
             rows.append((label, f"{world} processes", err, sec))
             prog.advance(task)
-        prog.update(task, description="staged kernels, virtual ranks")
-        err, sec, where = _run_virtual(cfg, R, T, args.seed)
-        kind = "Triton interpreter" if where == "cpu" else "one GPU"
-        rows.append((f"staged kernels, {R} virtual ranks ({kind})", "1 process", err, sec))
-        prog.advance(task)
+        for label, impl, gran in virtual:
+            prog.update(task, description=f"{label}, virtual ranks")
+            err, sec, where = _run_virtual(cfg, R, T, args.seed, impl=impl, granularity=gran)
+            kind = "Triton interpreter" if where == "cpu" else "one GPU"
+            rows.append((f"{label}, {R} virtual ranks ({kind})", "1 process", err, sec))
+            prog.advance(task)
     table = Table(title="moestream run: each provider against the fp32 reference")
     for col in ("provider", "ranks", "config", "tokens/rank", "rel error", "time", "status"):
         table.add_column(col)
