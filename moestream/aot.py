@@ -7,12 +7,14 @@ and whether the GEMMs use Hopper's warpgroup MMA (HGMMA in SASS). This catches e
 the GPU compiler sees (the interpreter accepts more), before any GPU time is spent.
 
     TRITON_INTERPRET=0 python -m moestream.aot [--shape dsv3] [--json]
+    TRITON_INTERPRET=0 python -m moestream.aot --fp8 [--block-m 64] [--warps 8] [--json]
 
 Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/_common.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -21,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["compile_layer", "main"]
+__all__ = ["compile_layer", "compile_fp8_gemms", "main"]
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
 
@@ -44,7 +46,10 @@ class _CompileOnlyDriver:
 
 
 def _sass_facts(cubin: bytes) -> dict:
-    """Registers, stack and HGMMA count from the bundled cuobjdump."""
+    """Registers, stack and MMA counts from the bundled cuobjdump: HGMMA (bf16/fp16 warpgroup
+    MMAs), HMMA (warp MMAs), QGMMA (fp8 warpgroup MMAs, e.g. QGMMA.64x128x32.F32.E4M3.E4M3;
+    e4m3_gmma: those on e4m3 x e4m3) and CALLs (e.g. the slow path of correctly rounded
+    divisions)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -59,29 +64,23 @@ def _sass_facts(cubin: bytes) -> dict:
     return dict(registers=int(regs.group(1)) if regs else None,
                 stack_bytes=int(stack.group(1)) if stack else None,
                 hgmma=len(re.findall(r"\bHGMMA\b", sass)),
-                hmma=len(re.findall(r"\bHMMA\b", sass)))
+                hmma=len(re.findall(r"\bHMMA\b", sass)),
+                qgmma=len(re.findall(r"\bQGMMA\b", sass)),
+                e4m3_gmma=len(re.findall(r"\b[HQ]GMMA\.\S*E4M3\.E4M3\b", sass)),
+                calls=len(re.findall(r"\bCALL\b", sass)))
 
 
-def compile_layer(*, shape: str = "dsv3", capability: int = 90,
-                  variants: dict[str, dict] | None = None) -> list[dict]:
-    """Run the staged and the fused path (token and chunked mode) of a small call of
-    ``shape`` with launches replaced by compile-only calls; one dict per distinct compiled
-    kernel. ``variants``: name -> ``stages.Tuning`` fields, each also compiled (fused path)."""
+@contextlib.contextmanager
+def _compile_only(capability: int, compiled: dict, label: list):
+    """Within: every Triton launch compiles for sm_``capability`` instead of running;
+    ``compiled[name[warps,stages] + label[0]] = (kernel name, compiled kernel)``."""
     if os.environ.get("TRITON_INTERPRET") != "0":
         raise RuntimeError("set TRITON_INTERPRET=0 before importing triton/moestream")
-    import torch
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from . import stages
-    from .buffer import SymmBuffer
-    from .config import MoEConfig
-    from .testing import make_routing, make_tokens
-
     driver.set_active(_CompileOnlyDriver(capability))
-    compiled: dict[str, tuple] = {}
     original_run = JITFunction.run
-    label = [""]
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -90,6 +89,62 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
 
     JITFunction.run = compile_only
     try:
+        yield
+    finally:
+        JITFunction.run = original_run
+        driver._active = None   # back to "whatever the machine has" (reset_active needs one)
+
+
+def _facts(compiled: dict) -> list[dict]:
+    out = []
+    for key, (name, kernel) in sorted(compiled.items()):
+        md = kernel.metadata
+        out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
+                        shared_bytes=md.shared, **_sass_facts(kernel.asm["cubin"])))
+    return out
+
+
+def compile_fp8_gemms(*, hidden: int = 7168, intermediate: int = 2048, block_m: int = 128,
+                      block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
+                      capability: int = 90) -> list[dict]:
+    """Compile the standalone fp8 GEMMs (moestream.fp8) for sm_90a through their launchers,
+    one dict per kernel (as ``compile_layer``); their MMAs show as QGMMA, not HGMMA."""
+    import torch
+
+    from .fp8 import l1_fp8, l2_fp8, pack_block_meta
+    fp8 = torch.float8_e4m3fn
+    compiled: dict[str, tuple] = {}
+    with _compile_only(capability, compiled, [""]):
+        H, I, E, P = hidden, intermediate, 1, 2 * block_m
+        meta = pack_block_meta([0, 0], [block_m, 1])
+        kw = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        act = torch.empty(P, I, dtype=fp8)
+        act_s = torch.empty(P, I // 128)
+        l1_fp8(pool_x_q=torch.empty(P, H, dtype=fp8), pool_x_scale=torch.empty(P, H // 128),
+               block_meta=meta, w13_q=torch.empty(E, 2 * I, H, dtype=fp8),
+               w13_scale_inv=torch.empty(E, 2 * I // 128, H // 128),
+               pool_weight=torch.empty(P), act_q=act, act_scale=act_s, **kw)
+        l2_fp8(act_q=act, act_scale=act_s, block_meta=meta,
+               w2_q=torch.empty(E, H, I, dtype=fp8),
+               w2_scale_inv=torch.empty(E, H // 128, I // 128), **kw)
+    return _facts(compiled)
+
+
+def compile_layer(*, shape: str = "dsv3", capability: int = 90,
+                  variants: dict[str, dict] | None = None) -> list[dict]:
+    """Run the staged and the fused path (token and chunked mode) of a small call of
+    ``shape`` with launches replaced by compile-only calls; one dict per distinct compiled
+    kernel. ``variants``: name -> ``stages.Tuning`` fields, each also compiled (fused path)."""
+    import torch
+
+    from . import stages
+    from .buffer import SymmBuffer
+    from .config import MoEConfig
+    from .testing import make_routing, make_tokens
+
+    compiled: dict[str, tuple] = {}
+    label = [""]
+    with _compile_only(capability, compiled, label):
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=16)
         tuning = stages.Tuning.hopper(cfg.block_m)
         tuning = stages.Tuning(**{**tuning.__dict__, "use_tma": True})
@@ -113,15 +168,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = f" {name}"
                 stages.run_fused(*args, tuning=stages.Tuning(**{**tuning.__dict__, **fields}))
             label[0] = ""
-    finally:
-        JITFunction.run = original_run
-        driver._active = None   # back to "whatever the machine has" (reset_active needs one)
-    out = []
-    for key, (name, kernel) in sorted(compiled.items()):
-        md = kernel.metadata
-        out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
-                        shared_bytes=md.shared, **_sass_facts(kernel.asm["cubin"])))
-    return out
+    return _facts(compiled)
 
 
 def _tiny_weights(cfg, ranks):
@@ -139,14 +186,28 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="dsv3")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--fp8", action="store_true",
+                   help="the standalone fp8 GEMMs instead (dsv3 dims unless given below)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--stages", type=int, default=3)
     args = p.parse_args(argv)
-    rows = compile_layer(shape=args.shape)
+    if args.fp8:
+        rows = compile_fp8_gemms(hidden=args.hidden, intermediate=args.intermediate,
+                                 block_m=args.block_m, block_n=args.block_n,
+                                 num_warps=args.warps, num_stages=args.stages)
+    else:
+        rows = compile_layer(shape=args.shape)
     for r in rows:
         if args.json:
             print(json.dumps(r))
         else:
             print(f"{r['kernel']:34s} smem {r['shared_bytes']:>7d}  regs {r['registers']}  "
-                  f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  HMMA {r['hmma']}")
+                  f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  QGMMA {r['qgmma']}  "
+                  f"HMMA {r['hmma']}")
     too_big = [r["kernel"] for r in rows if r["shared_bytes"] > SM90_SHARED_LIMIT]
     if too_big:
         print(f"shared memory above the sm_90 limit: {too_big}", file=sys.stderr)

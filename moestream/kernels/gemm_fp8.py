@@ -1,0 +1,181 @@
+"""FP8 (e4m3, DeepSeek-V3 block scales) grouped GEMMs over a pool of BM-row blocks: L1 (gate/up
++ SwiGLU x topk weight + fp8 re-quantization) and L2 (down projection). Standalone: not wired
+into the layer (moestream.stages / fused.py) yet, no waits, no peers; one launch per GEMM.
+Launchers: moestream/fp8.py. sm_90 compile check: ``python -m moestream.aot --fp8``.
+
+Legend (formats: moestream/quant.py, docs/quantization.md):
+    pool_x_q [P, H] fp8 e4m3      rows of the pool, P = blocks * BM; block m holds rows
+                                  m*BM .. m*BM+BM-1, of which the first valid_m are real
+    pool_x_scale [P, H/128] fp32  per row per 128 channels: x ~= q * scale
+    block_meta [P/BM] int32       per block: expert * 512 + valid_m (moestream.layout's
+                                  encoding; ``fp8.pack_block_meta``), valid_m in [0, BM]; an expert
+                                  may own any number of blocks (zero included), in any order
+    w13_q [E, 2I, H] fp8          gate rows 0..I-1, up rows I..2I-1
+    w13_scale_inv [E, 2I/128, H/128] fp32   per 128x128 block: w ~= q * scale_inv
+    pool_weight [P] fp32          topk weight of each row
+    act_q [P, I] fp8, act_scale [P, I/128] fp32
+                                  act = silu(x @ gate^T) * (x @ up^T) * topk weight, quantized
+                                  per row per 128 columns exactly as quant.quantize_act_fp8
+    w2_q [E, H, I] fp8, w2_scale_inv [E, H/128, I/128] fp32
+    y [P, H] bf16 or fp32         act @ w2^T
+
+GEMM: BK = 128 = one scale block per K step; each K step is its own fp32 dot (on Hopper: four
+k=32 fp8 warpgroup MMAs), scaled and added to the fp32 accumulator in registers:
+``acc += dot(xq_k, wq_k) * (x_scale[:, k] (x) w_scale[n // 128, k])`` (DeepGEMM's promotion,
+which also keeps the tensor cores' limited-precision fp8 accumulation to 128 products).
+Rows past valid_m are computed from whatever the pool holds there (rows are independent) and
+never stored; a block with valid_m = 0 does nothing. Grid (column blocks, row blocks).
+
+Interpreter (CPU): its fp32 -> fp8 cast does not round to nearest even (and mishandles
+subnormals), so with FIX_ROUNDING the value is first rounded, in exact fp32/integer arithmetic,
+to the e4m3 value it must become; the cast then has nothing to round (as _common.to_bf16).
+"""
+from __future__ import annotations
+
+from ._common import tl, to_bf16, triton
+
+# quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.fp8
+# asserts they agree; kernels import nothing of ours but _common)
+FP8_MAX = tl.constexpr(448.0)
+FP8_MIN_SCALE = tl.constexpr(1.1754943508222875e-38)   # 2**-126
+
+
+# ---- device helpers -------------------------------------------------------------------------
+
+@triton.jit
+def to_fp8(v, FIX_ROUNDING: tl.constexpr):
+    """fp32 -> fp8 e4m3fn, round to nearest even. ``v`` must lie in [-448, 448]."""
+    if FIX_ROUNDING:
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = bits & 0x80000000
+        mag = bits & 0x7FFFFFFF
+        # normal e4m3 (>= 2**-6): keep 3 mantissa bits, RTNE on the fp32 bits (<= 448 stays <= 448)
+        nrm = (mag + (((mag >> 20) & 1) + 0x7FFFF)) & 0xFFF00000
+        # subnormal e4m3 (< 2**-6): multiples of 2**-9; r + 2**23 - 2**23 rounds r to an even
+        # integer (exact IEEE fp32 arithmetic, 0 <= r < 8)
+        a = mag.to(tl.float32, bitcast=True)
+        r = a * 512.0
+        r = (r + 8388608.0) - 8388608.0
+        sub = (r * 0.001953125).to(tl.uint32, bitcast=True)
+        mag = tl.where(a < 0.015625, sub, nrm)
+        v = (mag | sign).to(tl.float32, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quant_rows_128(act, FIX_ROUNDING: tl.constexpr):
+    """act [BM, BN] fp32 (BN a multiple of 128) -> (q [BM, BN] fp8, scale [BM, BN/128] fp32),
+    per row per 128 columns: scale = max(amax / 448, 2**-126), q = fp8(clamp(act / scale))
+    (correctly rounded divisions, as torch computes quant.quantize_act_fp8)."""
+    BM: tl.constexpr = act.shape[0]
+    BN: tl.constexpr = act.shape[1]
+    G: tl.constexpr = BN // 128
+    a3 = tl.reshape(act, [BM, G, 128])
+    amax = tl.max(tl.abs(a3), axis=2)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
+    q = tl.math.div_rn(a3, scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    q = to_fp8(tl.reshape(q, [BM, BN]), FIX_ROUNDING)
+    return q, scale
+
+
+# ---- L1 -------------------------------------------------------------------------------------
+
+@triton.jit
+def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 FIX_ROUNDING: tl.constexpr):
+    """One L1 block (m_block, n_block): gate and up with per-K-block scales, SwiGLU x weight,
+    fp8 re-quantization of its BN columns (BN/128 scale groups per row)."""
+    KB = H // BK
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    e64 = e.to(tl.int64)
+    a_ptrs = x_q + rows[:, None] * H + kk[None, :]
+    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    wu_ptrs = wg_ptrs + I * H
+    xs_ptrs = x_scale + rows * KB
+    sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (n // 128) * KB     # [BN], gate rows
+    su_ptrs = sg_ptrs + (I // 128) * KB                                # up rows
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, KB):
+        a = tl.load(a_ptrs)
+        g = tl.load(wg_ptrs).T
+        u = tl.load(wu_ptrs).T
+        xs = tl.load(xs_ptrs + kb)
+        sg = tl.load(sg_ptrs + kb)
+        su = tl.load(su_ptrs + kb)
+        acc_g += tl.dot(a, g) * (xs[:, None] * sg[None, :])
+        acc_u += tl.dot(a, u) * (xs[:, None] * su[None, :])
+        a_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+    rv = tl.arange(0, BM) < vm
+    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
+    q, scale = quant_rows_128(act, FIX_ROUNDING)
+    tl.store(act_q + rows[:, None] * I + n[None, :], q, mask=rv[:, None])
+    G: tl.constexpr = BN // 128
+    groups = nb * G + tl.arange(0, G)
+    tl.store(act_scale + rows[:, None] * (I // 128) + groups[None, :], scale, mask=rv[:, None])
+
+
+@triton.jit
+def l1_fp8_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale, H, I,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  FIX_ROUNDING: tl.constexpr):
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    meta = tl.load(block_meta + mb)
+    vm = meta & 511
+    if vm > 0:
+        l1_fp8_block(mb, nb, meta >> 9, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
+                     H, I, BM, BN, BK, FIX_ROUNDING)
+
+
+# ---- L2 -------------------------------------------------------------------------------------
+
+@triton.jit
+def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """One L2 block (m_block, n_block): y rows = act @ w2^T with per-K-block scales."""
+    KB = I // BK
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    e64 = e.to(tl.int64)
+    a_ptrs = act_q + rows[:, None] * I + kk[None, :]
+    w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
+    as_ptrs = act_scale + rows * KB
+    ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB           # [BN]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, KB):
+        a = tl.load(a_ptrs)
+        w = tl.load(w_ptrs).T
+        xs = tl.load(as_ptrs + kb)
+        ws = tl.load(ws_ptrs + kb)
+        acc += tl.dot(a, w) * (xs[:, None] * ws[None, :])
+        a_ptrs += BK
+        w_ptrs += BK
+    rv = tl.arange(0, BM) < vm
+    if OUT_BF16:
+        out = to_bf16(acc, FIX_ROUNDING)
+    else:
+        out = acc
+    tl.store(y + rows[:, None] * H + n[None, :], out, mask=rv[:, None])
+
+
+@triton.jit
+def l2_fp8_kernel(act_q, act_scale, w2, w2_s, block_meta, y, H, I,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    meta = tl.load(block_meta + mb)
+    vm = meta & 511
+    if vm > 0:
+        l2_fp8_block(mb, nb, meta >> 9, vm, act_q, act_scale, w2, w2_s, y, H, I, BM, BN, BK,
+                     OUT_BF16, FIX_ROUNDING)

@@ -1,0 +1,350 @@
+"""The standalone fp8 grouped GEMMs (moestream/kernels/gemm_fp8.py, launched by moestream.fp8)
+against the quantization-aware math in fp64 (moestream.quant's dequantize helpers), on the CPU
+interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
+
+Tolerances (written down here, see docs/quantization.md "FP8 GEMM kernels"):
+* L2 and the L1 pre-activation differ from fp64 only by fp32 rounding (the kernel's
+  per-128-K-block sums and scaling order): |y - ref| <= 1e-5 * (|a| @ |w|^T) elementwise
+  (the bound of a sum's rounding error, robust to cancellation); bf16 output adds 2**-8 |ref|.
+* Re-quantized activation: scales equal the reference's to 4e-6 relative (the amax of a row
+  group carries the fp32 error of a few operations); each fp8 value equals the reference's or
+  is one e4m3 ulp away (a value within fp32 rounding of a rounding midpoint), on < 1 % of the
+  elements.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moestream.aot import SM90_SHARED_LIMIT
+from moestream.fp8 import l1_fp8, l2_fp8, pack_block_meta
+from moestream.quant import (convert_expert_weights_fp8, dequantize_act_fp8,
+                             dequantize_weight_fp8_blocks, quantize_act_fp8)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+F8 = torch.float8_e4m3fn
+H, I, E = 256, 256, 3
+# (expert, valid rows) per block: partial blocks, a single-row block (T=1-like), an empty
+# block, expert 1 owns no block, expert 2's blocks not contiguous in the pool
+BLOCKS = [(0, 16), (0, 5), (2, 1), (2, 16), (0, 0), (2, 9)]
+BM = 16
+NAN8 = 0x7F   # e4m3fn's NaN code: the poison of fp8 outputs
+# padding rows hold NaN scales on purpose: the interpreter's row max warns about them
+pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+
+
+def _ulp_e4m3(v: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -9))).clamp_min(-6)
+    return torch.exp2(e - 3)
+
+
+def _valid_mask(blocks, bm):
+    m = torch.zeros(len(blocks) * bm, dtype=torch.bool)
+    for b, (_, v) in enumerate(blocks):
+        m[b * bm: b * bm + v] = True
+    return m
+
+
+def _pool(gen, blocks, bm, k_dim, scale=1.0):
+    """fp8 rows [P, k_dim] + scales; valid rows quantized from randn, padding rows garbage
+    (random bytes, NaN scales): they must not leak into valid rows."""
+    P = len(blocks) * bm
+    x = torch.randn(P, k_dim, generator=gen) * scale
+    q, s = quantize_act_fp8(x)
+    valid = _valid_mask(blocks, bm)
+    junk = torch.randint(0, 0x7F, (P, k_dim), generator=gen, dtype=torch.uint8).view(F8)
+    q[~valid] = junk[~valid]
+    s[~valid] = float("nan")
+    return q, s, valid
+
+
+def _weights(gen, bf16=False):
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    if bf16:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    return w13, w2, convert_expert_weights_fp8(w13, w2)
+
+
+def _dq_act(q, s, rows):
+    return dequantize_act_fp8(q[rows], s[rows], out_dtype=torch.float64)
+
+
+def _l1_reference(xq, xs, w, pool_w, blocks, bm):
+    """fp64: (h_gate, h_up, abs-bound of h) and act, rows of valid entries only (else 0)."""
+    P = xq.shape[0]
+    w13 = dequantize_weight_fp8_blocks(w["w13"], w["w13_scale_inv"], out_dtype=torch.float64)
+    act = torch.zeros(P, I, dtype=torch.float64)
+    for b, (e, v) in enumerate(blocks):
+        rows = slice(b * bm, b * bm + v)
+        if v == 0:
+            continue
+        x = _dq_act(xq, xs, rows)
+        h = x @ w13[e].T
+        g, u = h[:, :I], h[:, I:]
+        act[rows] = g * torch.sigmoid(g) * u * pool_w[rows].double()[:, None]
+    return act
+
+
+def _to(dev, *ts):
+    return [t.to(dev) for t in ts]
+
+
+# ---- L1 -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_l1_matches_quantized_reference(gen, block_n):
+    xq, xs, valid = _pool(gen, BLOCKS, BM, H)
+    _, _, w = _weights(gen)
+    P = xq.shape[0]
+    pool_w = torch.rand(P, generator=gen) + 0.1
+    pool_w[~valid] = float("nan")
+    meta = pack_block_meta([e for e, _ in BLOCKS], [v for _, v in BLOCKS])
+    act_q = torch.full((P, I), NAN8, dtype=torch.uint8).view(F8)
+    act_s = torch.full((P, I // 128), float("nan"))
+    args = _to(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w, act_q, act_s)
+    out_q, out_s = l1_fp8(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
+                          w13_q=args[3], w13_scale_inv=args[4], pool_weight=args[5],
+                          act_q=args[6], act_scale=args[7], block_m=BM, block_n=block_n)
+    assert out_q.data_ptr() == args[6].data_ptr() and out_s.data_ptr() == args[7].data_ptr()
+    out_q, out_s = out_q.cpu(), out_s.cpu()
+    # padding rows (and the empty block) untouched, every valid row written
+    assert bool((out_q[~valid].view(torch.uint8) == NAN8).all())
+    assert bool(out_s[~valid].isnan().all())
+    assert not bool((out_q[valid].view(torch.uint8) & 0x7F == 0x7F).any())
+    assert bool(torch.isfinite(out_s[valid]).all())
+
+    act = _l1_reference(xq, xs, w, pool_w, BLOCKS, BM)
+    ref_q, ref_s = quantize_act_fp8(act[valid])
+    got_s = out_s[valid]
+    assert torch.allclose(got_s, ref_s, rtol=4e-6, atol=0), (got_s / ref_s - 1).abs().max()
+    gq, rq = out_q[valid].float(), ref_q.float()
+    diff = (gq - rq).abs()
+    ulp = torch.maximum(_ulp_e4m3(gq), _ulp_e4m3(rq))
+    assert bool((diff <= ulp).all()), diff.max()
+    assert (diff > 0).float().mean() < 0.01
+    # and the dequantized activation is the fp64 one to within one e4m3 ulp of each value
+    deq = dequantize_act_fp8(out_q[valid], got_s, out_dtype=torch.float64)
+    s_full = got_s.double().repeat_interleave(128, dim=1)
+    assert bool(((deq - act[valid]).abs() <= _ulp_e4m3(gq).double() * s_full).all())
+
+
+def test_l1_all_zero_rows(gen):
+    """An all-zero activation row (zero input, or zero topk weight) gets scale 2**-126 and
+    q = 0, as quant.quantize_act_fp8; an expert (2) with no block."""
+    blocks = [(0, 16), (1, 3)]
+    xq, xs, valid = _pool(gen, blocks, BM, H)
+    xq[:4] = torch.zeros(4, H, dtype=F8)     # rows 0..3: zero input -> zero activation
+    _, _, w = _weights(gen)
+    P = xq.shape[0]
+    pool_w = torch.rand(P, generator=gen)
+    pool_w[4] = 0.0                           # row 4: zero topk weight
+    meta = pack_block_meta([0, 1], [16, 3])
+    args = _to(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w)
+    q, s = l1_fp8(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2], w13_q=args[3],
+                  w13_scale_inv=args[4], pool_weight=args[5], block_m=BM)
+    q, s = q.cpu(), s.cpu()
+    assert bool((s[:5] == 2.0 ** -126).all())
+    assert bool((q[:5].float() == 0).all())
+    act = _l1_reference(xq, xs, w, pool_w, blocks, BM)
+    ref_q, ref_s = quantize_act_fp8(act[valid])
+    assert torch.allclose(s[valid], ref_s, rtol=4e-6, atol=0)
+    diff = (q[valid].float() - ref_q.float()).abs()
+    assert bool((diff <= torch.maximum(_ulp_e4m3(q[valid].float()),
+                                       _ulp_e4m3(ref_q.float()))).all())
+
+
+# ---- L2 -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("out_dtype,block_n", [(torch.float32, 128), (torch.bfloat16, 64),
+                                               (torch.float32, 256)])
+def test_l2_matches_quantized_reference(gen, out_dtype, block_n):
+    aq, as_, valid = _pool(gen, BLOCKS, BM, I, scale=0.3)
+    _, _, w = _weights(gen)
+    P = aq.shape[0]
+    meta = pack_block_meta([e for e, _ in BLOCKS], [v for _, v in BLOCKS])
+    y = torch.full((P, H), float("nan"), dtype=out_dtype)
+    args = _to(DEV, aq, as_, meta, w["w2"], w["w2_scale_inv"], y)
+    out = l2_fp8(act_q=args[0], act_scale=args[1], block_meta=args[2], w2_q=args[3],
+                 w2_scale_inv=args[4], y=args[5], block_m=BM, block_n=block_n)
+    assert out.data_ptr() == args[5].data_ptr()
+    out = out.cpu()
+    assert bool(out[~valid].isnan().all())
+    assert bool(torch.isfinite(out[valid]).all())
+    w2 = dequantize_weight_fp8_blocks(w["w2"], w["w2_scale_inv"], out_dtype=torch.float64)
+    for b, (e, v) in enumerate(BLOCKS):
+        if v == 0:
+            continue
+        rows = slice(b * BM, b * BM + v)
+        a = _dq_act(aq, as_, rows)
+        ref = a @ w2[e].T
+        bound = 1e-5 * (a.abs() @ w2[e].abs().T)
+        if out_dtype == torch.bfloat16:
+            bound = bound + 2.0 ** -8 * ref.abs()
+        err = (out[rows].double() - ref).abs()
+        assert bool((err <= bound).all()), (err / bound).max()
+        if out_dtype == torch.float32:
+            assert (err.norm() / ref.norm()) < 1e-5
+
+
+# ---- L1 + L2 against the layer reference ----------------------------------------------------
+
+def test_l1_l2_against_moe_forward_fp8(gen):
+    """Tokens routed to experts, the pool built on the host, both kernels, the picks summed:
+    the layer's quantization-aware reference (topk weight after L2) agrees to fp32 rounding
+    plus rare one-ulp re-quantization flips (the kernel applies the weight before them)."""
+    from moestream.reference import moe_forward
+    from moestream.testing import make_routing, make_tokens
+    T, K, bm = 9, 2, 16
+    x = make_tokens(T, H, generator=gen)
+    idx, tw = make_routing(T, E, K, generator=gen)
+    w13, w2, w = _weights(gen, bf16=True)
+    xq, xsc = quantize_act_fp8(x)
+    blocks, src = [], []
+    for e in range(E):
+        picks = [(t, k) for t in range(T) for k in range(K) if int(idx[t, k]) == e]
+        for j in range(0, len(picks), bm):
+            chunk = picks[j:j + bm]
+            blocks.append((e, len(chunk)))
+            src.extend(chunk + [None] * (bm - len(chunk)))
+    P = len(blocks) * bm
+    pq = torch.zeros(P, H, dtype=F8)
+    ps = torch.zeros(P, H // 128)
+    pw = torch.zeros(P)
+    for r, tk in enumerate(src):
+        if tk is not None:
+            pq[r], ps[r], pw[r] = xq[tk[0]], xsc[tk[0]], tw[tk]
+    meta = pack_block_meta([e for e, _ in blocks], [v for _, v in blocks])
+    a = _to(DEV, pq, ps, meta, w["w13"], w["w13_scale_inv"], pw, w["w2"], w["w2_scale_inv"])
+    aq, asc = l1_fp8(pool_x_q=a[0], pool_x_scale=a[1], block_meta=a[2], w13_q=a[3],
+                     w13_scale_inv=a[4], pool_weight=a[5], block_m=bm)
+    yr = l2_fp8(act_q=aq, act_scale=asc, block_meta=a[2], w2_q=a[6], w2_scale_inv=a[7],
+                block_m=bm, out_dtype=torch.float32).cpu().double()
+    y = torch.zeros(T, H, dtype=torch.float64)
+    for r, tk in enumerate(src):
+        if tk is not None:
+            y[tk[0]] += yr[r]
+    ref = moe_forward(x, idx, tw, w13, w2, compute_dtype=torch.float64,
+                      out_dtype=torch.float64, quant="fp8")
+    rel = float((y - ref).norm() / ref.norm())
+    assert rel < 2e-3, rel
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def _l1_kwargs(**over):
+    P = 2 * BM
+    kw = dict(pool_x_q=torch.zeros(P, H, dtype=F8), pool_x_scale=torch.ones(P, H // 128),
+              block_meta=pack_block_meta([0, 1], [BM, 1]),
+              w13_q=torch.zeros(E, 2 * I, H, dtype=F8),
+              w13_scale_inv=torch.ones(E, 2 * I // 128, H // 128), pool_weight=torch.ones(P),
+              block_m=BM)
+    kw.update(over)
+    return kw
+
+
+def _l2_kwargs(**over):
+    P = 2 * BM
+    kw = dict(act_q=torch.zeros(P, I, dtype=F8), act_scale=torch.ones(P, I // 128),
+              block_meta=pack_block_meta([0, 1], [BM, 1]), w2_q=torch.zeros(E, H, I, dtype=F8),
+              w2_scale_inv=torch.ones(E, H // 128, I // 128), block_m=BM)
+    kw.update(over)
+    return kw
+
+
+P2 = 2 * BM
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(pool_x_q=torch.zeros(P2, H, dtype=torch.bfloat16)), "dtype"),
+    (dict(pool_x_q=[[0.0]]), "torch.Tensor"),
+    (dict(pool_x_scale=torch.ones(P2, H // 128 + 1)), "shape"),
+    (dict(pool_x_scale=torch.ones(P2, H // 128, dtype=torch.float64)), "dtype"),
+    (dict(w13_scale_inv=torch.ones(E, 2 * I // 128, H // 128 + 1)), "shape"),
+    (dict(w13_q=torch.zeros(E, 2 * I, H + 128, dtype=F8)), "shape"),
+    (dict(pool_x_q=torch.zeros(P2, 200, dtype=F8), pool_x_scale=torch.ones(P2, 2),
+          w13_q=torch.zeros(E, 2 * I, 200, dtype=F8)), "multiples of 128"),
+    (dict(pool_weight=torch.ones(P2 + 1)), "shape"),
+    (dict(pool_weight=torch.ones(P2, dtype=torch.bfloat16)), "dtype"),
+    (dict(block_m=24), "power of two"),
+    (dict(block_m=8), "power of two"),
+    (dict(block_n=64), "block_n"),
+    (dict(block_meta=pack_block_meta([0], [BM])), "shape"),
+    (dict(block_meta=pack_block_meta([0, 3], [BM, 1])), "block_meta"),
+    (dict(block_meta=pack_block_meta([0, 1], [BM + 1, 1])), "block_meta"),
+    (dict(block_meta=pack_block_meta([0, 1], [BM, 1]).long()), "dtype"),
+    (dict(pool_x_q=torch.zeros(H, P2, dtype=F8).T), "contiguous"),
+    (dict(act_q=torch.zeros(P2, I, dtype=torch.bfloat16)), "dtype"),
+    (dict(act_scale=torch.ones(P2, I // 128 + 1)), "shape"),
+])
+def test_l1_rejects_bad_inputs(over, match):
+    with pytest.raises(ValueError, match=match):
+        l1_fp8(**_l1_kwargs(**over))
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(act_q=torch.zeros(P2, I, dtype=torch.float32)), "dtype"),
+    (dict(act_scale=torch.ones(P2, I // 128 + 1)), "shape"),
+    (dict(w2_q=torch.zeros(E, H, I + 128, dtype=F8)), "shape"),
+    (dict(w2_scale_inv=torch.ones(E, H // 128, I // 128 + 1)), "shape"),
+    (dict(block_m=48), "power of two"),
+    (dict(block_n=96), "power of two"),
+    (dict(block_meta=pack_block_meta([0, 1], [BM, 1]).float()), "dtype"),
+    (dict(block_meta=pack_block_meta([5, 1], [BM, 1])), "block_meta"),
+    (dict(y=torch.zeros(P2, H, dtype=torch.float16)), "y must be"),
+    (dict(y=torch.zeros(P2, H + 1)), "shape"),
+    (dict(out_dtype=torch.float16), "out_dtype"),
+])
+def test_l2_rejects_bad_inputs(over, match):
+    with pytest.raises(ValueError, match=match):
+        l2_fp8(**_l2_kwargs(**over))
+
+
+def test_pack_block_meta_rejects_bad_values():
+    with pytest.raises(ValueError):
+        pack_block_meta([0, 1], [1])
+    with pytest.raises(ValueError):
+        pack_block_meta([0], [512])
+    with pytest.raises(ValueError):
+        pack_block_meta([-1], [3])
+    assert pack_block_meta([2, 0], [5, 16]).tolist() == [2 * 512 + 5, 16]
+
+
+# ---- sm_90 compilation (no GPU) -------------------------------------------------------------
+
+@pytest.mark.parametrize("block_m,warps,stages", [(128, 8, 3), (64, 8, 4)])
+def test_compiles_for_sm90_with_fp8_warpgroup_mma(block_m, warps, stages):
+    """dsv3 dims (H=7168, I=2048), BN=BK=128, compiled for sm_90a in a fresh process (Triton
+    in compiler mode): fp8 warpgroup MMAs (SASS QGMMA ... E4M3.E4M3), no bf16/fp16 MMAs, shared
+    memory within an H100/H200 block, L2 without spills. L1 holds two fp32 accumulators plus
+    the two fresh per-K-block dot results: at BM=128 it reaches 255 registers and spills a
+    few bytes (stack 32 seen, Triton 3.6); at BM=64 with 8 warps it does not spill."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "moestream.aot", "--fp8", "--json",
+                          "--block-m", str(block_m), "--block-n", "128", "--warps", str(warps),
+                          "--stages", str(stages)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = {r["name"]: r for r in map(json.loads, filter(lambda s: s.startswith("{"),
+                                                         res.stdout.splitlines()))}
+    assert set(rows) == {"l1_fp8_kernel", "l2_fp8_kernel"}
+    for name, r in rows.items():
+        print(f"{name} BM={block_m} {warps}w{stages}s: smem {r['shared_bytes']} regs "
+              f"{r['registers']} stack {r['stack_bytes']} QGMMA {r['qgmma']} "
+              f"({time.time() - t0:.1f} s)")
+        assert r["num_warps"] == warps and r["num_stages"] == stages, r
+        assert r["qgmma"] > 0 and r["e4m3_gmma"] == r["qgmma"], r
+        assert r["hgmma"] == 0 and r["hmma"] == 0, r
+        assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
+    assert rows["l2_fp8_kernel"]["stack_bytes"] == 0, rows["l2_fp8_kernel"]
+    if block_m == 64:
+        assert rows["l1_fp8_kernel"]["stack_bytes"] == 0, rows["l1_fp8_kernel"]
