@@ -55,6 +55,22 @@ def make_case(cfg: MoEConfig, R: int, Ts, gen, device, *, skew=None, drop=0.0, s
     return xs, idxs, ws
 
 
+def check_layer(ys, xs, idxs, ws, w13s, w2s, *, hidden, label=""):
+    """Every rank's output against the fp32 reference: shape, every row written (outputs are
+    NaN-poisoned by the callers), rel. error within the bf16 tolerance, and exact zeros for
+    tokens whose picks are all -1."""
+    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
+                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
+                             [w.cpu() for w in w2s])
+    for r, (y, x) in enumerate(zip(ys, xs)):
+        assert y.shape == (x.shape[0], hidden), (label, r)
+        assert not torch.isnan(y).any(), f"{label} rank {r}: output rows left unwritten"
+        if x.shape[0]:
+            err = rel_error(y.cpu(), refs[r])
+            assert err < TOL, f"{label} rank {r}: rel error {err:.2e} >= {TOL}"
+        assert bool((y[(idxs[r] < 0).all(dim=1)] == 0).all()), (label, r)
+
+
 def run_dispatch(buffer, xs, idxs, ws):
     for lr in range(buffer.local_ranks):
         stages.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
@@ -150,18 +166,7 @@ def test_layer_matches_reference(device, gen, case, impl):
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl=impl)
-    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
-                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
-                             [w.cpu() for w in w2s])
-    for r in range(R):
-        assert ys[r].shape == (Ts[r], cfg.hidden)
-        assert not torch.isnan(ys[r]).any(), f"rank {r}: output rows left unwritten"
-        if Ts[r]:
-            err = rel_error(ys[r].cpu(), refs[r])
-            assert err < TOL, f"rank {r}: rel error {err:.2e} >= {TOL}"
-        # tokens whose picks are all -1 get exact zeros
-        none = (idxs[r] < 0).all(dim=1)
-        assert bool((ys[r][none] == 0).all())
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -194,14 +199,7 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl="fused",
                           granularity=granularity, tuning=tuning)
-    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
-                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
-                             [w.cpu() for w in w2s])
-    for r in range(R):
-        assert not torch.isnan(ys[r]).any(), f"rank {r}: output rows left unwritten"
-        if Ts[r]:
-            err = rel_error(ys[r].cpu(), refs[r])
-            assert err < TOL, f"rank {r}: rel error {err:.2e} >= {TOL}"
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -273,12 +271,7 @@ def test_consecutive_calls_reuse_buffer(device, gen):
         xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
         ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf,
                               impl="fused" if call % 2 else "staged")
-        refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
-                                 [w.cpu() for w in ws], [w.cpu() for w in w13s],
-                                 [w.cpu() for w in w2s])
-        for r in range(R):
-            if Ts[r]:
-                assert rel_error(ys[r].cpu(), refs[r]) < TOL, (call, r)
+        check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden, label=f"call {call}")
         assert buf.view("epoch", 0).item() == call + 1
 
 
@@ -404,10 +397,7 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
-    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs], [w.cpu() for w in ws],
-                             [w.cpu() for w in w13s], [w.cpu() for w in w2s])
-    for r in range(R):
-        assert rel_error(ys[r].cpu(), refs[r]) < TOL
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -491,12 +481,4 @@ def test_eight_virtual_ranks(device, gen, impl):
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl=impl)
-    refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
-                             [w.cpu() for w in ws], [w.cpu() for w in w13s],
-                             [w.cpu() for w in w2s])
-    for r in range(R):
-        assert ys[r].shape == (Ts[r], cfg.hidden)
-        assert not torch.isnan(ys[r]).any(), f"rank {r}: output rows left unwritten"
-        if Ts[r]:
-            err = rel_error(ys[r].cpu(), refs[r])
-            assert err < TOL, f"rank {r}: rel error {err:.2e} >= {TOL}"
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
