@@ -168,6 +168,15 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = f" {name}"
                 stages.run_fused(*args, tuning=stages.Tuning(**{**tuning.__dict__, **fields}))
             label[0] = ""
+        # the fp8 layer (staged path): publish with quantization, byte-row dispatch, fp8 GEMMs
+        label[0] = " fp8"
+        cfg8 = cfg.with_(dtype="fp8")
+        buf = SymmBuffer(cfg8, num_ranks=1, device="cpu")
+        w13s, w2s = _tiny_weights(cfg8, 1)
+        y = torch.empty(1, 8, cfg.hidden, dtype=torch.bfloat16)
+        stages.run_staged(buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y,
+                          tuning=stages.Tuning.hopper(cfg.block_m, "fp8"))
+        label[0] = ""
     return _facts(compiled)
 
 
@@ -176,8 +185,14 @@ def _tiny_weights(cfg, ranks):
     compiler only looks at their types and alignment)."""
     import torch
     e_loc = cfg.experts_per_rank(ranks)
-    w13 = torch.empty(e_loc, 2 * cfg.intermediate, cfg.hidden, dtype=torch.bfloat16)
-    w2 = torch.empty(e_loc, cfg.hidden, cfg.intermediate, dtype=torch.bfloat16)
+    H, I = cfg.hidden, cfg.intermediate
+    if cfg.dtype == "fp8":
+        fp8 = torch.float8_e4m3fn
+        w13 = (torch.empty(e_loc, 2 * I, H, dtype=fp8), torch.empty(e_loc, 2 * I // 128, H // 128))
+        w2 = (torch.empty(e_loc, H, I, dtype=fp8), torch.empty(e_loc, H // 128, I // 128))
+        return [w13] * ranks, [w2] * ranks
+    w13 = torch.empty(e_loc, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.empty(e_loc, H, I, dtype=torch.bfloat16)
     return [w13] * ranks, [w2] * ranks
 
 

@@ -9,6 +9,11 @@ Providers, measured in the same run on the same inputs:
     chunk<C>      the fused launch in chunked mode (granularity=C tokens, a multiple of block_m,
                   or chunkexpert: whole experts), replayed from CUDA graphs like fused-graph
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
+    fp8-staged    ours in fp8 (MoEConfig dtype "fp8", weights quantized from the same bf16
+                  experts, DeepSeek-V3 block format); fp8-staged-graph: replayed from graphs.
+                  Rows carry dtype "fp8" (floors of the fp8 format) and their agreement with
+                  torch's bf16 output is judged against the fp8 quantization error
+                  (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -24,7 +29,15 @@ import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
-PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch")
+PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
+             "fp8-staged-graph")
+# fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
+# scale applied twice or a misplaced row is far outside
+FP8_AGREE = 0.12
+
+
+def _dtype(provider: str) -> str:
+    return "fp8" if provider.startswith("fp8-") else "bf16"
 
 
 def _granularity(provider: str) -> int | str | None:
@@ -86,7 +99,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     from . import MoEConfig, SymmBuffer, mega_moe
     from .baselines.torch_a2a import moe_forward_a2a
     from .bench import result_row, slowest, time_cuda
-    from .testing import TOLERANCE, rel_error
+    from .testing import TOLERANCE, quantize_weights, rel_error
 
     dev = torch.device("cuda", rank)
     rows: list[dict] = []
@@ -104,16 +117,24 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             H, I = cfg.hidden, cfg.intermediate
             w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
             w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
-            ours = [p for p in providers if p != "torch"]
+            ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
+            buf8 = w8 = None
+            if any(_dtype(p) == "fp8" for p in providers):
+                buf8 = SymmBuffer(cfg.with_(dtype="fp8"), group=dist.group.WORLD)
+                (w13q,), (w2q,) = quantize_weights([w13], [w2])
+                w8 = (w13q, w2q)
             for T in tokens:
                 sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
                                               granularity=granularity)
+                def ours8(a):
+                    return mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8)
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
                     "fused": ours("fused"), "fused-graph": ours("fused"),
+                    "fp8-staged": ours8, "fp8-staged-graph": ours8,
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }
@@ -144,32 +165,36 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     for p in providers:
                         if p != "torch" and T:
                             agree[p] = rel_error(outs[p], outs["torch"])
-                if buf is not None:
-                    buf.check()
+                for b in (buf, buf8):
+                    if b is not None:
+                        b.check()
                 for p in providers:
                     dist.barrier()
                     rotate = list(range(len(sets))) if _replayed(p) else sets
                     stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=rotate))
                     if rank == 0:
                         err = agree.get(p)
+                        bound = FP8_AGREE if _dtype(p) == "fp8" else 2 * TOLERANCE["bf16"]
                         rows.append(result_row(
-                            shape=shape, ranks=world, tokens_per_rank=T, dtype="bf16",
+                            shape=shape, ranks=world, tokens_per_rank=T, dtype=_dtype(p),
                             provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
                             p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                             routing="skewed" if skew else "uniform",
                             rel_diff_vs_torch=err,
-                            agrees=None if err is None else bool(err < 2 * TOLERANCE["bf16"])))
+                            agrees=None if err is None else bool(err < bound)))
                         progress.console.print(
                             f"{shape} T={T} {p}: {stats['median_us']:.1f} us"
                             + ("" if err is None else f" (rel diff vs torch {err:.1e})"))
-                if buf is not None:
-                    buf.check()
+                for b in (buf, buf8):
+                    if b is not None:
+                        b.check()
                 graphs = None   # free the captured graphs' memory pools
                 if progress is not None:
                     progress.advance(task)
-            if buf is not None:
-                buf.destroy()
-            w13 = w2 = None   # this shape's weights go before the next shape's arrive
+            for b in (buf, buf8):
+                if b is not None:
+                    b.destroy()
+            w13 = w2 = w8 = None   # this shape's weights go before the next shape's arrive
             torch.cuda.empty_cache()
     finally:
         if progress is not None:

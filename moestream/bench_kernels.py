@@ -18,18 +18,19 @@ from . import stages
 from .bench import result_row, time_cuda
 from .buffer import SymmBuffer
 from .config import MoEConfig, cdiv
-from .testing import make_tokens
+from .testing import make_tokens, quantize_weights
 
 __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "uniform_routing"]
 
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A GEMM configuration: the pool's block_m plus the launch tuning."""
+    """A GEMM configuration: the pool's block_m plus the launch tuning (and the format)."""
 
     name: str
     block_m: int
     tuning: stages.Tuning
+    dtype: str = "bf16"
 
 
 def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
@@ -46,6 +47,8 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     _v("l1w8s3", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
     _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
     _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
+    # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
+    GemmVariant("fp8", 128, stages.Tuning.hopper(128, "fp8"), "fp8"),
 ]}
 
 
@@ -79,11 +82,12 @@ def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
     return buf, xs, idxs
 
 
-def _row(shape, R, M, E, provider, kernel, t, flops, byts, **extra) -> dict:
+def _row(shape, R, M, E, provider, kernel, t, flops, byts, dtype="bf16", **extra) -> dict:
     from .bench import DEFAULT_CALIB
     us = t["median_us"]
-    floor = max(flops / (DEFAULT_CALIB["bf16_tflops"] * 1e6), byts / (DEFAULT_CALIB["weights_tbps"] * 1e6))
-    return result_row(shape=shape, ranks=R, tokens_per_rank=M, dtype="bf16", provider=provider,
+    floor = max(flops / (DEFAULT_CALIB[f"{dtype}_tflops"] * 1e6),
+                byts / (DEFAULT_CALIB["weights_tbps"] * 1e6))
+    return result_row(shape=shape, ranks=R, tokens_per_rank=M, dtype=dtype, provider=provider,
                       kernel=kernel, tokens_per_expert=M, experts=E, median_us=us,
                       p20_us=t["p20_us"], p80_us=t["p80_us"], tflops_per_gpu=flops / us / 1e6,
                       weight_tbps=byts / us / 1e6, link_gbps=None, floor_us=floor, **extra)
@@ -104,9 +108,32 @@ def _l1_error(buf: SymmBuffer, cfg: MoEConfig, w13: torch.Tensor, packed: torch.
     return rel_error(buf.view("pool_act", 0)[rows], ref)
 
 
+def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> float:
+    """Our fp8 L1 output on rank 0 (dequantized) against fp32 math on the same fp8 bytes:
+    silu(x @ gate^T) * (x @ up^T) * weight, x and w dequantized."""
+    from .quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    from .testing import rel_error
+    H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
+    bs = buf.view("block_start", 0).tolist()
+    rows = torch.cat([torch.arange(bs[e] * BM, bs[e] * BM + M)
+                      for e in range(e_loc)]).to(buf.device)
+
+    def deq(region, n):
+        r = buf.view(region, 0)[rows]
+        return dequantize_act_fp8(r[:, :n].contiguous().view(torch.float8_e4m3fn),
+                                  r[:, n:n + 4 * (n // 128)].contiguous().view(torch.float32))
+    x = deq("pool_x", H).view(e_loc, M, H)
+    w = dequantize_weight_fp8_blocks(*w13q)                                  # [E, 2I, H]
+    h = torch.bmm(x, w.transpose(1, 2))
+    ref = torch.nn.functional.silu(h[..., :I]) * h[..., I:]
+    ref = ref.reshape(e_loc * M, I) * buf.view("pool_weight", 0)[rows][:, None]
+    return rel_error(deq("pool_act", I), ref)
+
+
 def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank: int = 32,
                virtual_ranks: int = 1, variants: Iterable[str] | None = None,
-               warmup: int = 5, reps: int = 20, seed: int = 0, progress=None) -> list[dict]:
+               warmup: int = 5, reps: int = 20, seed: int = 0, progress=None,
+               device: str | torch.device = "cuda") -> list[dict]:
     """Rows (one per kernel x provider x M): ours for each variant, torch._grouped_mm once.
 
     Args:
@@ -117,7 +144,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
         virtual_ranks: R; the L1/L2 launches cover all R pools.
     """
     from .config import SHAPES
-    device = torch.device("cuda")
+    device = torch.device(device)
     names = list(variants) if variants else list(VARIANTS)
     dims = SHAPES[shape]
     R = virtual_ranks
@@ -131,6 +158,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
     w2s = [(torch.randn(experts_per_rank, H, I, generator=gpu_gen, device=device)
             * I ** -0.5).bfloat16() for _ in range(R)]
     rows: list[dict] = []
+    w8 = None   # fp8 copies of the weights, made when an fp8 variant first needs them
     for M in tokens_per_expert:
         t_max = cdiv(E * M, R * K)
         weights_cfg = MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K,
@@ -139,10 +167,27 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
         l2_flops = 2 * E * M * H * I
         l1_bytes = sum(w.numel() * 2 for w in w13s)
         l2_bytes = sum(w.numel() * 2 for w in w2s)
+        packed = None   # the tokens of a bf16 variant's pool, packed for torch
         for name in names:
             v = VARIANTS[name]
-            cfg = replace(weights_cfg, block_m=v.block_m)
+            cfg = replace(weights_cfg, block_m=v.block_m, dtype=v.dtype)
             buf, xs, idxs = _prepare(cfg, R, M, v, device, gen)
+            if v.dtype == "fp8":
+                if w8 is None:
+                    w8 = quantize_weights(w13s, w2s)
+                l1 = time_cuda(lambda: stages.l1(buf, w8[0], tuning=v.tuning), warmup=warmup,
+                               reps=reps)
+                err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
+                l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=v.tuning), warmup=warmup,
+                               reps=reps)
+                for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
+                                               ("l2", l2, l2_flops, l2_bytes // 2)):
+                    rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
+                                     dtype="fp8", l1_rel_error=err))
+                buf.destroy()
+                if progress:
+                    progress()
+                continue
             # the same tokens, packed per expert without padding, for torch
             packed = []
             for d in range(R):
@@ -159,6 +204,8 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             buf.destroy()   # before the next variant allocates its own
             if progress:
                 progress()
+        if packed is None:   # only fp8 variants ran: no bf16 pool to hand torch
+            continue
         # torch on the same tokens
         offs = (torch.arange(1, experts_per_rank + 1, device=device, dtype=torch.int32) * M)
         acts = [torch.randn(experts_per_rank * M, I, device=device).bfloat16() for _ in range(R)]
@@ -177,4 +224,25 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts))
         packed = acts = None
         torch.cuda.empty_cache()
+    if any(VARIANTS[n].dtype == "fp8" for n in names):
+        rows.append(_dense_fp8_row(shape, warmup=warmup, reps=reps, device=device))
     return rows
+
+
+def _dense_fp8_row(shape: str, *, n: int = 8192, warmup: int, reps: int,
+                   device: torch.device) -> dict:
+    """The GPU's dense fp8 rate (the fp8 compute ceiling): torch._scaled_mm of two n x n e4m3
+    matrices with unit scales, bf16 out, 2 n^3 FLOP."""
+    dev = device
+    if dev.type != "cuda":
+        n = 256
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    t = time_cuda(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                           out_dtype=torch.bfloat16), warmup=warmup, reps=reps)
+    return result_row(shape=shape, ranks=1, tokens_per_rank=n, dtype="fp8",
+                      provider="torch:_scaled_mm", kernel="dense", median_us=t["median_us"],
+                      p20_us=t["p20_us"], p80_us=t["p80_us"],
+                      tflops_per_gpu=2 * n ** 3 / t["median_us"] / 1e6, link_gbps=None,
+                      floor_us=None)

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_routing", "check_topk_range", "check_expert_weights",
-           "INDEX_DTYPES"]
+           "check_expert_weights_fp8", "INDEX_DTYPES"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -95,3 +95,28 @@ def check_expert_weights(w13: torch.Tensor, w2: torch.Tensor, *, experts: int, h
                  device=device, contiguous=contiguous)
     check_tensor(f"{prefix}w2", w2, shape=(experts, hidden, intermediate), dtype=dtype,
                  device=w13.device, contiguous=contiguous)
+
+
+def _pair(name: str, w: object) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(w, (tuple, list)) or len(w) != 2:
+        raise ValueError(f"{name} must be a (values, scale_inv) pair in fp8 mode (e.g. from "
+                         f"moestream.quant.convert_expert_weights_fp8), got "
+                         f"{type(w).__name__}")
+    return w[0], w[1]
+
+
+def check_expert_weights_fp8(w13: object, w2: object, *, experts: int, hidden: int,
+                             intermediate: int, device: torch.device | None = None,
+                             prefix: str = "") -> None:
+    """fp8 experts as (values, scale_inv) pairs (DeepSeek-V3 format, docs/quantization.md):
+    w13 ([E, 2I, H] e4m3, [E, 2I/128, H/128] fp32), w2 ([E, H, I] e4m3, [E, H/128, I/128]
+    fp32), all contiguous. H and I are multiples of 128 (MoEConfig checks it)."""
+    (q13, s13), (q2, s2) = _pair(f"{prefix}w13", w13), _pair(f"{prefix}w2", w2)
+    check_expert_weights(q13, q2, experts=experts, hidden=hidden, intermediate=intermediate,
+                         dtype=torch.float8_e4m3fn, device=device, contiguous=True,
+                         prefix=prefix)
+    g_h, g_i = hidden // 128, intermediate // 128
+    check_tensor(f"{prefix}w13 scale_inv", s13, shape=(experts, 2 * g_i, g_h),
+                 dtype=torch.float32, device=q13.device, contiguous=True)
+    check_tensor(f"{prefix}w2 scale_inv", s2, shape=(experts, g_h, g_i), dtype=torch.float32,
+                 device=q13.device, contiguous=True)

@@ -70,13 +70,16 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
 
 def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
                  granularity: int | str = "token"):
+    """The layer on R virtual ranks; fp8 configs against the quantization-aware reference."""
     import torch
 
     from . import SymmBuffer, mega_moe_virtual
     from .reference import moe_forward_ranks
-    from .testing import make_routing, make_tokens, make_weights, rel_error
+    from .testing import make_routing, make_tokens, make_weights, quantize_weights, rel_error
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w13s, w2s = make_weights(cfg, R, generator=torch.Generator().manual_seed(seed), device=dev)
+    if cfg.dtype == "fp8":
+        w13s, w2s = quantize_weights(w13s, w2s)
     xs, idxs, ws = [], [], []
     for r in range(R):
         g = torch.Generator().manual_seed(seed + 1 + r)
@@ -93,7 +96,7 @@ def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    refs = moe_forward_ranks(xs, idxs, ws, w13s, w2s)
+    refs = moe_forward_ranks(xs, idxs, ws, w13s, w2s, quant=cfg.dtype)
     return max(rel_error(y, r) for y, r in zip(ys, refs)), seconds, dev.type
 
 
@@ -131,9 +134,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         jobs.append(("torch all_to_all + per-expert GEMM (gloo)", "torch-gloo", "gloo", R))
     # the kernels on R virtual ranks in this process: each streaming mode of the layer
     chunk = 2 * cfg.block_m
-    virtual = [("staged kernels", "staged", "token"),
-               ("fused kernel, token mode", "fused", "token"),
-               (f"fused kernel, {chunk}-token chunks", "fused", chunk)]
+    virtual = [("staged kernels", "staged", "token", cfg),
+               ("fused kernel, token mode", "fused", "token", cfg),
+               (f"fused kernel, {chunk}-token chunks", "fused", chunk, cfg),
+               ("staged kernels, fp8 (vs the fp8-aware reference)", "staged", "token",
+                cfg.with_(dtype="fp8"))]
     with Progress(console=con, transient=True) as prog:
         task = prog.add_task("running", total=len(jobs) + len(virtual))
         for label, provider, backend, world in jobs:
@@ -142,19 +147,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                         args=(cfg.to_dict(), T, args.seed, provider), timeout_s=900)
             err = max(r[1] for r in res)
             sec = max(r[2] for r in res)
-            rows.append((label, f"{world} processes", err, sec))
+            rows.append((label, f"{world} processes", err, sec, tol))
             prog.advance(task)
-        for label, impl, gran in virtual:
+        for label, impl, gran, vcfg in virtual:
             prog.update(task, description=f"{label}, virtual ranks")
-            err, sec, where = _run_virtual(cfg, R, T, args.seed, impl=impl, granularity=gran)
+            err, sec, where = _run_virtual(vcfg, R, T, args.seed, impl=impl, granularity=gran)
             kind = "Triton interpreter" if where == "cpu" else "one GPU"
-            rows.append((f"{label}, {R} virtual ranks ({kind})", "1 process", err, sec))
+            rows.append((f"{label}, {R} virtual ranks ({kind})", "1 process", err, sec,
+                         TOLERANCE[vcfg.dtype]))
             prog.advance(task)
     table = Table(title="moestream run: each provider against the fp32 reference")
     for col in ("provider", "ranks", "config", "tokens/rank", "rel error", "time", "status"):
         table.add_column(col)
     ok = True
-    for label, procs, err, sec in rows:
+    for label, procs, err, sec, tol in rows:
         good = err < tol
         ok &= good
         table.add_row(label, f"{R} ({procs})", f"H{cfg.hidden} I{cfg.intermediate} "
@@ -364,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank (EP bench)")
     b.add_argument("--providers", type=_names,
                    default=["staged", "staged-graph", "fused-graph", "chunk128", "chunk256",
-                            "chunkexpert", "torch"],
-                   help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, torch")
+                            "chunkexpert", "torch", "fp8-staged-graph"],
+                   help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
+                        "torch, fp8-staged, fp8-staged-graph")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--virtual-ranks", type=int, default=0,
                    help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-__all__ = ["MoEConfig", "SHAPES", "DTYPES", "cdiv", "align_up"]
+__all__ = ["MoEConfig", "SHAPES", "DTYPES", "FP8_GROUP", "cdiv", "align_up"]
 
 # Routed-expert shapes of the models we benchmark (../shared/BENCHMARKS.md).
 SHAPES: dict[str, dict[str, int]] = {
@@ -19,9 +19,11 @@ SHAPES: dict[str, dict[str, int]] = {
     "mixtral": dict(hidden=4096, intermediate=14336, num_experts=8, top_k=2),
 }
 
-# Activation / weight formats. Only bf16 is implemented so far; the names are reserved so
-# that configs written today keep their meaning (fp8: DeepSeek-V3 block scales; fp4w: MXFP4).
-DTYPES = ("bf16",)
+# Activation / weight formats (docs/quantization.md). bf16; fp8: e4m3 activations with one fp32
+# scale per token per 128 channels and DeepSeek-V3 weights (e4m3, fp32 scale_inv per 128x128
+# block). "fp4w" (MXFP4 weights) is reserved: its GEMM kernels exist standalone only.
+DTYPES = ("bf16", "fp8")
+FP8_GROUP = 128   # channels per activation scale, rows/columns per weight scale block
 _POW2_TILES = (16, 32, 64, 128, 256)
 
 
@@ -50,7 +52,9 @@ class MoEConfig:
         max_tokens_per_rank: the most tokens T any rank passes in one call; buffers are sized
             for it (the pool holds the worst case: every token of every rank sending all K picks
             to one rank), so no routing can overflow them.
-        dtype: "bf16".
+        dtype: "bf16" or "fp8" (tokens cross NVLink as e4m3 bytes plus an fp32 scale per 128
+            channels, quantized by the layer; weights are e4m3 with 128x128 block scales; the
+            L2 output and the combine stay bf16).
         block_m: pool rows per GEMM block. Each expert's pool segment is padded to a multiple
             of it, and an L1 block starts once that many of its tokens (or the expert's ragged
             remainder) have arrived.
@@ -153,7 +157,23 @@ class MoEConfig:
 
     @property
     def bytes_per_element(self) -> int:
-        return 2  # bf16
+        """Bytes of one weight (and token) value: 2 for bf16, 1 for fp8 (scales excluded)."""
+        return 1 if self.dtype == "fp8" else 2
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's row as it crosses NVLink: bf16 values, or fp8 values followed
+        by their fp32 scales (one per 128 channels), padded to 16 bytes (aligned rows)."""
+        if self.dtype == "fp8":
+            return align_up(self.hidden + 4 * (self.hidden // FP8_GROUP), 16)
+        return 2 * self.hidden
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one L1 output row (the L2 input): as ``token_bytes`` with I columns."""
+        if self.dtype == "fp8":
+            return align_up(self.intermediate + 4 * (self.intermediate // FP8_GROUP), 16)
+        return 2 * self.intermediate
 
     def flops_per_token(self) -> int:
         """GEMM FLOPs of one token: K experts x (L1: 2*H*2I + L2: 2*I*H)."""

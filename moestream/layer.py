@@ -13,7 +13,8 @@ import torch
 
 from . import stages
 from .buffer import SymmBuffer
-from .checks import check_expert_weights, check_routing, check_tensor, check_topk_range
+from .checks import (check_expert_weights, check_expert_weights_fp8, check_routing, check_tensor,
+                     check_topk_range)
 
 __all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
@@ -28,10 +29,12 @@ def _prepare_rank(buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
         raise ValueError(f"{prefix}x must be on the buffer's device {buffer.device}, got {x.device}")
     if x.shape[0] and x.stride(1) != 1:
         raise ValueError(f"{prefix}x must have unit stride along hidden, got strides {x.stride()}")
-    check_expert_weights(w13, w2, experts=cfg.experts_per_rank(buffer.num_ranks),
-                         hidden=cfg.hidden, intermediate=cfg.intermediate,
-                         dtype=torch.bfloat16, device=buffer.device, contiguous=True,
-                         prefix=prefix)
+    dims = dict(experts=cfg.experts_per_rank(buffer.num_ranks), hidden=cfg.hidden,
+                intermediate=cfg.intermediate, device=buffer.device, prefix=prefix)
+    if cfg.dtype == "fp8":
+        check_expert_weights_fp8(w13, w2, **dims)
+    else:
+        check_expert_weights(w13, w2, dtype=torch.bfloat16, contiguous=True, **dims)
     if validate:
         check_topk_range(topk_idx, cfg.num_experts, name=f"{prefix}topk_idx")
     return topk_idx.contiguous(), topk_weights.contiguous()
@@ -56,7 +59,10 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
         topk_idxs: per rank, [T_r, K] int32/int64 global expert ids, -1 = no expert.
         topk_weights: per rank, [T_r, K] fp32.
         w13s: per rank, [E/R, 2I, H] bf16 contiguous: rank r's experts [r*E/R, (r+1)*E/R).
-        w2s: per rank, [E/R, H, I] bf16 contiguous.
+            fp8 buffers (config.dtype "fp8"): a pair (values [E/R, 2I, H] float8_e4m3fn,
+            scale_inv [E/R, 2I/128, H/128] fp32), as ``quant.convert_expert_weights_fp8``.
+        w2s: per rank, [E/R, H, I] bf16 contiguous (fp8: (values [E/R, H, I] e4m3,
+            scale_inv [E/R, H/128, I/128] fp32)).
         buffer: a virtual ``SymmBuffer`` with num_ranks == R.
         out: optional [R, max T_r, H] bf16 to write into (rows past T_r are left alone).
         validate: check topk id ranges on the host before launching (a synchronisation).
@@ -98,8 +104,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    _runner(impl, granularity)(buffer, xs, idxs, ws, w13s, w2s, out,
-                                                      tuning=tuning)
+    _runner(impl, granularity, buffer.config.dtype)(buffer, xs, idxs, ws, w13s, w2s, out,
+                                                    tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
 
@@ -107,9 +113,12 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
 IMPLS = ("staged", "fused")
 
 
-def _runner(impl: str, granularity: int | str):
+def _runner(impl: str, granularity: int | str, dtype: str = "bf16"):
     """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
     is a ValueError from ``stages.fused_tuning``, before anything is launched)."""
+    if impl == "fused" and dtype != "bf16":
+        raise ValueError(f"impl='fused' runs bf16 only so far; a {dtype} buffer needs "
+                         f"impl='staged'")
     if impl == "staged":
         if granularity != "token":
             raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
@@ -137,8 +146,13 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         topk_idx: [T, K] int32/int64 global expert ids in [-1, E); -1 = no expert.
         topk_weights: [T, K] fp32 gate weights (applied as given).
         w13: [E/R, 2I, H] bf16 contiguous, this rank's experts [rank*E/R, (rank+1)*E/R);
-            rows 0..I-1 gate, I..2I-1 up.
-        w2: [E/R, H, I] bf16 contiguous.
+            rows 0..I-1 gate, I..2I-1 up. With an fp8 buffer (config.dtype "fp8"): a pair
+            (values [E/R, 2I, H] float8_e4m3fn, scale_inv [E/R, 2I/128, H/128] fp32), the
+            DeepSeek-V3 format (``quant.convert_expert_weights_fp8``,
+            ``quant.load_deepseek_v3_experts``); x stays bf16 and is quantized per token per
+            128 channels before it crosses NVLink (docs/quantization.md).
+        w2: [E/R, H, I] bf16 contiguous (fp8: (values [E/R, H, I] e4m3, scale_inv
+            [E/R, H/128, I/128] fp32)).
         buffer: ``SymmBuffer(config, group=...)`` (or a virtual buffer with one rank).
         out: optional [T, H] bf16 output tensor.
         validate: also check the topk id range on the host (synchronises). Without it, ids
@@ -170,7 +184,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    run = _runner(impl, granularity)
+    run = _runner(impl, granularity, buffer.config.dtype)
     run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now

@@ -19,6 +19,11 @@ calls, since every call waits for every peer's ready flag of that call):
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
     act        pool_act [P, I]                                 L1 output (SwiGLU x weight)
     combine    combine_y [T, K, H]            L2 rows written back by the experts' owners
+
+Token rows: bf16 ``[.., H]``; in fp8 mode ``x``, ``pool_x`` and ``pool_act`` are byte rows
+(uint8 ``[.., config.token_bytes]`` / ``[.., config.act_bytes]``): the row's e4m3 values
+(bytes 0 .. H-1), then its fp32 scales, one per 128 channels (bytes H .. H + 4*H/128 - 1).
+A token and its scales are one row, so dispatch moves them with one copy.
 """
 from __future__ import annotations
 
@@ -98,6 +103,11 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
     e_loc = config.experts_per_rank(num_ranks)
     P = config.pool_capacity(num_ranks)
     n_mb = config.max_m_blocks(num_ranks)
+    if config.dtype == "fp8":
+        rows = ("uint8", (config.token_bytes,), (config.act_bytes,), "e4m3 values + fp32 scales: ")
+    else:
+        rows = ("bfloat16", (H,), (I,), "")
+    row_dtype, x_row, act_row, what = rows
     specs: list[tuple] = [
         # name, shape, dtype, doc, reset_each_call, peer_visible
         ("epoch", (1,), "int32", "calls made so far on this rank (device-side counter)", False, False),
@@ -117,14 +127,14 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
         ("tickets", (1,), "int32", "next ticket of the fused kernel (local rank 0 serves the launch)", True, False),
         ("combine_flag", (T, K), "int32", "1 once a pick's L2 row is complete (peers' L2 -> combine)", True, True),
-        ("x", (2, T, H), "bfloat16", "published tokens, by parity", False, True),
+        ("x", (2, T) + x_row, row_dtype, what + "published tokens, by parity", False, True),
         ("topk_idx", (2, T, K), "int32", "published expert ids, by parity", False, True),
         ("topk_weights", (2, T, K), "float32", "published gate weights, by parity", False, True),
         ("slot", (2, T, K), "int32", "each pick's slot among this rank's picks of its expert", False, True),
-        ("pool_x", (P, H), "bfloat16", "tokens pulled for the local experts", False, False),
+        ("pool_x", (P,) + x_row, row_dtype, what + "tokens pulled for the local experts", False, False),
         ("pool_src", (P,), "int32", "packed (source, token, k) of each pool row", False, False),
         ("pool_weight", (P,), "float32", "gate weight of each pool row", False, False),
-        ("pool_act", (P, I), "bfloat16", "L1 output: silu(gate) * up * weight", False, False),
+        ("pool_act", (P,) + act_row, row_dtype, what + "L1 output: silu(gate) * up * weight", False, False),
         ("combine_y", (T, K, H), "bfloat16", "each pick's expert output, written by its owner", False, True),
     ]
     regions: dict[str, Region] = {}

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .buffer import SymmBuffer
-from .config import cdiv
+from .config import FP8_GROUP, cdiv
 from .kernels import combine as _combine
 from .kernels import dispatch as _dispatch
 from .kernels import fused as _fused
@@ -90,10 +90,15 @@ class Tuning:
     dispatch_eager: bool = False
 
     @classmethod
-    def hopper(cls, block_m: int) -> "Tuning":
+    def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
         """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200
         (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits
-        (the staged path's stream order already completes every producer)."""
+        (the staged path's stream order already completes every producer). fp8: 128-wide
+        L1 and L2 blocks (K steps of 128, one scale block each), 8 warps, 3 stages: the
+        sm_90 compile of docs/quantization.md that fits shared memory without spilling."""
+        if dtype == "fp8":
+            return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
+                       l2_block_n=128, wait=False)
         if block_m >= 128:
             return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                        l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
@@ -105,7 +110,7 @@ class Tuning:
         """``hopper`` on GPUs; under the interpreter the config's tiles with waits on."""
         if buffer.device.type != "cuda":
             return cls()
-        return cls.hopper(buffer.config.block_m)
+        return cls.hopper(buffer.config.block_m, buffer.config.dtype)
 
     @classmethod
     def for_call(cls, buffer: SymmBuffer, tokens: int) -> "Tuning":
@@ -114,7 +119,7 @@ class Tuning:
         alone). ``tokens``: the most tokens any local rank passes in this call."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
-        if not sms:
+        if not sms or buffer.config.dtype == "fp8":   # fp8: a block quantizes 128 columns
             return t
         cfg = buffer.config
         # under uniform routing a rank receives about tokens * top_k picks
@@ -175,9 +180,20 @@ class Tuning:
                        dispatch_programs=0)
 
     def l1_tile(self, cfg) -> tuple[int, int]:
+        """(block_n, block_k) of L1. fp8: block_k is the scale block (128), and a block
+        re-quantizes whole 128-column groups, so block_n is 128 (default) or 256."""
+        if cfg.dtype == "fp8":
+            bn = self.l1_block_n or 128
+            if bn not in (128, 256) or cfg.intermediate % bn:
+                raise ValueError(f"fp8 needs Tuning.l1_block_n 128 or 256 dividing "
+                                 f"intermediate={cfg.intermediate}, got {bn}")
+            return bn, FP8_GROUP
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
 
     def l2_tile(self, cfg) -> tuple[int, int]:
+        """(block_n, block_k) of L2 (fp8: block_k is the scale block, 128)."""
+        if cfg.dtype == "fp8":
+            return self.l2_block_n or 128, FP8_GROUP
         return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
 
     def tma(self, buffer: SymmBuffer) -> bool:
@@ -197,6 +213,7 @@ class _Constants:
     E_ALL_PAD: int
     P: int
     reset_words: int
+    row_words: int      # 16-bit words per token row that dispatch copies (bf16: H)
     sms: int
     hopper: bool
 
@@ -213,6 +230,7 @@ def _constants(buffer: SymmBuffer) -> _Constants:
                        E_PAD=next_pow2(e_loc), K_PAD=next_pow2(cfg.top_k),
                        E_ALL_PAD=next_pow2(cfg.num_experts), P=cfg.pool_capacity(R),
                        reset_words=buffer.layout.reset_span[1] // 4,
+                       row_words=cfg.token_bytes // 2,
                        sms=props.multi_processor_count if cuda else 0,
                        hopper=bool(cuda and props.major >= 9))
         buffer._launch_constants = c
@@ -268,11 +286,12 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     _dispatch.publish_kernel[grid](
         buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights, slot, counts,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
-        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
+        cfg.token_bytes, off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
         off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
         off["off_reset"], c.reset_words,
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, E_PAD=c.E_ALL_PAD, BT=BT,
-        BH=min(next_pow2(cfg.hidden), 512), BZ=1024, **_launch_kw(tuning.copy_warps))
+        BH=min(next_pow2(cfg.hidden), 512), BZ=1024, QUANT=cfg.dtype == "fp8",
+        FIX_ROUNDING=INTERPRET, **_launch_kw(tuning.copy_warps))
 
 
 def signal(buffer: SymmBuffer) -> None:
@@ -305,47 +324,62 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_epoch"], off["off_diag"], off["off_src_row"], off["off_src_tokens"],
         off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
-        cfg.max_tokens_per_rank, cfg.hidden, c.R, c.E_LOC, cfg.block_m, c.P,
+        cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), **_launch_kw(tuning.copy_warps))
+        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **_launch_kw(tuning.copy_warps))
 
 
-def l1(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
+def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) address tables of the local ranks' weights: bf16 tensors, or fp8
+    (values, scale_inv) pairs (the scale table is the value table in bf16 mode, unused)."""
+    if buffer.config.dtype == "fp8":
+        return (buffer.weight_table([w[0] for w in ws]),
+                buffer.weight_table([w[1] for w in ws]))
+    tab = buffer.weight_table(ws)
+    return tab, tab
+
+
+def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None:
+    """w13s: per local rank, w13 [E/R, 2I, H] bf16, or in fp8 mode (values, scale_inv)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
     bn, bk = tuning.l1_tile(cfg)
-    tma = tuning.tma(buffer)
+    fp8 = cfg.dtype == "fp8"
+    tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l1_kernel[grid](
-        buffer.table, buffer.rank0, buffer.weight_table(w13s), buffer.max_spins,
+        buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
         buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-        off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P,
-        BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-        USE_TIMER=not INTERPRET, **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+        off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
+        cfg.act_bytes, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
+        WAIT=tuning.wait, USE_TIMER=not INTERPRET, FP8=fp8,
+        **_launch_kw(tuning.l1_warps, tuning.l1_stages))
 
 
-def l2(buffer: SymmBuffer, w2s: Sequence[torch.Tensor], *, tuning: Tuning = Tuning()) -> None:
+def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
+    """w2s: per local rank, w2 [E/R, H, I] bf16, or in fp8 mode (values, scale_inv)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
     bn, bk = tuning.l2_tile(cfg)
-    tma = tuning.tma(buffer)
+    fp8 = cfg.dtype == "fp8"
+    tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
     grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
     _gemm.l2_kernel[grid](
-        buffer.table, buffer.rank0, buffer.weight_table(w2s), buffer.max_spins,
+        buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
         buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
         off["off_combine_y"], off["off_combine_flag"],
         cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
-        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R,
+        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes,
         K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
-        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET,
+        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
         **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 

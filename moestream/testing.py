@@ -10,13 +10,17 @@ import torch
 from .config import MoEConfig
 from .reference import route
 
-__all__ = ["make_routing", "make_tokens", "make_weights", "stamp_tokens", "read_stamp",
-           "rel_error", "TOLERANCE"]
+__all__ = ["make_routing", "make_tokens", "make_weights", "quantize_weights", "stamp_tokens",
+           "read_stamp", "rel_error", "TOLERANCE"]
 
 # Written tolerances of ||out - ref|| / ||ref|| against the fp32 reference, per activation dtype.
 # bf16: inputs, weights and the L1 activation are rounded to bf16 (8 mantissa bits, ~4e-3 per
 # rounding); sums accumulate in fp32; the bound leaves 2-3x headroom over what we observe.
-TOLERANCE = {"bf16": 1e-2}
+# fp8: the layer against the quantization-aware reference (moe_forward(..., quant="fp8"): the
+# same e4m3 bytes and scales), so only summation order, rare one-ulp flips of the L1 output's
+# re-quantization and the bf16 rounding of the L2 rows and the output differ (seen ~3e-3 on
+# the CPU); against the unquantized bf16 layer fp8 is ~6e-2 on random data (quantization.md).
+TOLERANCE = {"bf16": 1e-2, "fp8": 3e-2}
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -75,6 +79,25 @@ def make_weights(config: MoEConfig, num_ranks: int, *, generator: torch.Generato
         w2s.append((torch.randn(e_loc, H, I, generator=generator) * I ** -0.5)
                    .to(dtype).to(device))
     return w13s, w2s
+
+
+def quantize_weights(w13s, w2s, *, experts_per_step: int = 8
+                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per-rank bf16 experts (``make_weights``) -> fp8 ``(values, scale_inv)`` pairs, the
+    DeepSeek-V3 format the fp8 layer takes (``quant.convert_expert_weights_fp8``), computed
+    on the weights' device a few experts at a time (the quantizer's fp32 temporaries of a
+    whole dsv3 rank would take tens of GB)."""
+    from .quant import convert_expert_weights_fp8
+    w13q, w2q = [], []
+    for w13, w2 in zip(w13s, w2s):
+        parts = [convert_expert_weights_fp8(w13[i:i + experts_per_step],
+                                            w2[i:i + experts_per_step])
+                 for i in range(0, w13.shape[0], experts_per_step)]
+        cat = (lambda k: torch.cat([d[k] for d in parts]))
+        w13q.append((cat("w13"), cat("w13_scale_inv")))
+        w2q.append((cat("w2"), cat("w2_scale_inv")))
+    return w13q, w2q
 
 
 def stamp_tokens(x: torch.Tensor, rank: int) -> torch.Tensor:

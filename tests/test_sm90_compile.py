@@ -19,13 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, dict]:
+def compiled_rows() -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "moestream.aot", "--json"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in rows}
+    return rows
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_rows) -> dict[str, dict]:
+    """The bf16 layer's kernels by name."""
+    return {r["name"]: r for r in compiled_rows if not r["kernel"].endswith(" fp8")}
+
+
+@pytest.fixture(scope="module")
+def compiled_fp8(compiled_rows) -> dict[str, dict]:
+    """The fp8 layer's kernels (staged path) by name."""
+    return {r["name"]: r for r in compiled_rows if r["kernel"].endswith(" fp8")}
 
 
 def test_every_kernel_compiles(compiled):
@@ -45,3 +57,18 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
         assert row["shared_bytes"] <= SM90_SHARED_LIMIT, row
         if name != "fused_kernel":   # the fused kernel's register budget is still being tuned
             assert row["stack_bytes"] == 0, row
+
+
+def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
+    # the fp8 layer's GEMMs as the staged path launches them (dsv3 dims, Tuning.hopper fp8):
+    # e4m3 x e4m3 warpgroup MMAs, pipelined (shared memory holds several stages: the byte
+    # rows' base pointers carry their 16-byte alignment), and at most a small spill in L1
+    # (two 128x128 fp32 accumulators plus the two fresh per-K-block products: 255 registers)
+    assert set(compiled_fp8) == {"publish_kernel", "signal_kernel", "layout_kernel",
+                                 "dispatch_kernel", "l1_kernel", "l2_kernel", "combine_kernel"}
+    for name in ("l1_kernel", "l2_kernel"):
+        row = compiled_fp8[name]
+        assert row["e4m3_gmma"] > 0 and row["hgmma"] == 0 and row["hmma"] == 0, row
+        assert 2 * 32768 < row["shared_bytes"] <= SM90_SHARED_LIMIT, row
+    assert compiled_fp8["l1_kernel"]["stack_bytes"] <= 64, compiled_fp8["l1_kernel"]
+    assert compiled_fp8["l2_kernel"]["stack_bytes"] == 0, compiled_fp8["l2_kernel"]

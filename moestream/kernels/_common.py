@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "peer_ptr", "peer_ptrs",
+           "aligned_peer_ptr", "aligned_ptr_from",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
            "PHASE_CODES", "next_pow2"]
 
@@ -65,6 +66,22 @@ def peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
     """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar)."""
     base = tl.load(table + rank).to(tl.int64)
     return (base + byte_offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def aligned_peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
+    """``peer_ptr`` that the compiler knows to be 16-byte aligned (vector loads, cp.async
+    pipelining); only for offsets that are: region starts (moestream.layout.ALIGN) plus
+    multiples of 16. Buffers themselves start at least 256-byte aligned."""
+    base = tl.load(table + rank).to(tl.int64)
+    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def aligned_ptr_from(table, index, DTYPE: tl.constexpr):
+    """Pointer ``table[index]`` (an int64 address table, e.g. the local ranks' weights), which
+    the caller guarantees 16-byte aligned (torch allocations are)."""
+    return tl.multiple_of(tl.load(table + index).to(tl.int64).to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit

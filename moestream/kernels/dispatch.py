@@ -11,10 +11,15 @@ Call order on every rank (each step one launch; the next issue fuses them):
     layout   wait for every peer's ready, read their counts for my experts -> pool layout
     dispatch one task per (source rank, source token): pull the token's row once, store it in
              the pool row of each of its picks of my experts, release-add the block's arrival
+
+Dispatch copies rows as 16-bit words without looking at them: ``H`` of the pull functions is
+the row width in words (the hidden size in bf16 mode; ``config.token_bytes // 2`` in fp8 mode,
+where a row is e4m3 values followed by their fp32 scales).
 """
 from __future__ import annotations
 
 from ._common import launch_context, peer_ptr, peer_ptrs, tl, triton, wait_at_least
+from .gemm_fp8 import quant_rows_128
 
 
 @triton.jit
@@ -26,12 +31,15 @@ def publish_kernel(
     topk_w_TK,        # fp32 [T, K]
     slot_TK,          # int32 [T, K] (routing.source_slots)
     counts_E,         # int32 [E]   (routing.source_slots)
-    T, x_stride, T_MAX, H,
+    T, x_stride, T_MAX, H, XB,  # XB: bytes per published row (QUANT)
     off_epoch, off_diag, off_num_tokens, off_send_counts, off_x, off_topk_idx,
     off_topk_weights, off_slot, off_reset, reset_words,
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr,
+    QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False,
 ):
+    """QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
+    128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
@@ -52,12 +60,28 @@ def publish_kernel(
     t = pid * BT + tl.arange(0, BT)
     tm = t < T
     t64 = t.to(tl.int64)
-    x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
-    for h0 in range(0, H, BH):
-        h = h0 + tl.arange(0, BH)
-        hm = h < H
-        v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :], mask=tm[:, None] & hm[None, :])
-        tl.store(x_dst + t64[:, None] * H + h[None, :], v, mask=tm[:, None] & hm[None, :])
+    if QUANT:
+        row64 = par.to(tl.int64) * T_MAX + t64
+        q_dst = peer_ptr(table, rank, off_x, tl.float8e4nv) + row64 * XB
+        s_dst = peer_ptr(table, rank, off_x + H, tl.float32) + row64 * (XB // 4)
+        G: tl.constexpr = BH // 128
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
+                        mask=tm[:, None] & hm[None, :], other=0.0).to(tl.float32)
+            q, scale = quant_rows_128(v, FIX_ROUNDING)
+            tl.store(q_dst[:, None] + h[None, :], q, mask=tm[:, None] & hm[None, :])
+            g = h0 // 128 + tl.arange(0, G)
+            tl.store(s_dst[:, None] + g[None, :], scale, mask=tm[:, None] & (g[None, :] * 128 < H))
+    else:
+        x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
+                        mask=tm[:, None] & hm[None, :])
+            tl.store(x_dst + t64[:, None] * H + h[None, :], v, mask=tm[:, None] & hm[None, :])
     k = tl.arange(0, K_PAD)
     tk_mask = tm[:, None] & (k[None, :] < K)
     tk = t64[:, None] * K + k[None, :]

@@ -11,6 +11,9 @@ Legend:
     l2_done [m-blocks]    L2 column blocks finished; the block that completes an m-block
                           releases the combine flags of its rows (one system-scope release per
                           row, not one per row and column block)
+    FP8 (constexpr)       pool_x / pool_act are byte rows of e4m3 values + fp32 scales (XB /
+                          AB bytes), weights e4m3 with fp32 scale_inv per 128x128 block (second
+                          weight table); the block math is kernels/gemm_fp8.py's
 
 Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
@@ -22,7 +25,9 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import launch_context, peer_ptr, peer_ptrs, tl, to_bf16, triton, wait_at_least
+from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, peer_ptr, peer_ptrs, tl,
+                      to_bf16, triton, wait_at_least)
+from .gemm_fp8 import l1_fp8_block, l2_fp8_acc
 
 
 @triton.jit
@@ -101,15 +106,23 @@ def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_des
 @triton.jit
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
+    w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
-    H, I, E_LOC, P,
+    H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
+    """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
+    e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    if FP8:
+        w13 = aligned_ptr_from(w13_table, lr, tl.float8e4nv)
+        w13_s = aligned_ptr_from(w13s_table, lr, tl.float32)
+    else:
+        w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     arrival = peer_ptr(table, rank, off_arrival, tl.int32)
@@ -119,7 +132,7 @@ def l1_kernel(
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     a_desc = 0
     w_desc = 0
-    if USE_TMA:  # bulk tensor copies (TMA) of the A rows and the weight tiles
+    if USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
     total = tl.load(block_start + E_LOC) * NB
@@ -133,8 +146,19 @@ def l1_kernel(
                                2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l1_block(ticket // NB, ticket % NB, meta, l1_done, pool_x, pool_w, pool_act, w13,
-                     a_desc, w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
+            if FP8:
+                l1_fp8_block(ticket // NB, ticket % NB, meta >> 9, meta & 511,
+                             aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
+                             aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32), w13,
+                             w13_s, pool_w, aligned_peer_ptr(table, rank, off_pool_act,
+                                                             tl.float8e4nv),
+                             aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), H, I,
+                             XB, XB // 4, AB, AB // 4, BM, BN, BK, UPCAST)
+                tl.debug_barrier()  # all rows stored before the count is released
+                tl.atomic_add(l1_done + ticket // NB, 1, sem="release", scope="gpu")
+            else:
+                l1_block(ticket // NB, ticket % NB, meta, l1_done, pool_x, pool_w, pool_act,
+                         w13, a_desc, w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
         meta = meta_next
         ticket += nprog
 
@@ -168,11 +192,24 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
         acc = tl.dot(a, w, acc)
         a_ptrs += BK
         w_ptrs += BK
+    l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
+                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE)
+
+
+@triton.jit
+def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
+                H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr):
+    """An L2 block's fp32 tile ``acc`` [BM, BN] (rows of m_block, columns of n_block) into
+    its tokens' combine slots as bf16; the block that completes an m-block (of NB column
+    blocks) releases its rows' combine flags."""
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
     code = tl.load(pool_src + rows, mask=rv, other=0)
     src = code // (T_MAX * K)
     tk = code % (T_MAX * K)                      # token * K + k on the source rank
-    out = to_bf16(acc, UPCAST)
+    out = to_bf16(acc, FIX_ROUNDING)
     # One masked store per source rank: element offsets from one base pointer fit int32
     # (T_MAX * K * H < 2**31, checked by the config), where a pointer per element would hold
     # 64 bits of address for every value of the tile.
@@ -195,16 +232,22 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
 @triton.jit
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
+    w2s_table,                 # FP8: int64[local ranks] w2_scale_inv bases
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
-    H, I, E_LOC, T_MAX, NB1, P, R,
+    H, I, E_LOC, T_MAX, NB1, P, R, AB,   # FP8: bytes per pool_act row
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, FP8: tl.constexpr = False,
 ):
+    """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    if FP8:
+        w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
+        w2_s = aligned_ptr_from(w2s_table, lr, tl.float32)
+    else:
+        w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
@@ -213,7 +256,7 @@ def l2_kernel(
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     a_desc = 0
     w_desc = 0
-    if USE_TMA:
+    if USE_TMA and not FP8:
         a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
     NB = H // BN
     total = tl.load(block_start + E_LOC) * NB
@@ -227,8 +270,18 @@ def l2_kernel(
                                rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l2_block(ticket // NB, ticket % NB, NB, meta, table, l2_done, pool_act, pool_src, w2,
-                     a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN,
-                     BK, UPCAST, USE_TMA, DONE_SCOPE)
+            if FP8:
+                acc = l2_fp8_acc(ticket // NB, ticket % NB, meta >> 9,
+                                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
+                                 aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32),
+                                 w2, w2_s,
+                                 H, I, AB, AB // 4, BM, BN, BK)
+                l2_epilogue(acc, ticket // NB, ticket % NB, NB, meta & 511, table, l2_done,
+                            pool_src, off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN,
+                            UPCAST, DONE_SCOPE)
+            else:
+                l2_block(ticket // NB, ticket % NB, NB, meta, table, l2_done, pool_act, pool_src,
+                         w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
+                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE)
         meta = meta_next
         ticket += nprog

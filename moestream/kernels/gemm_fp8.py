@@ -1,7 +1,8 @@
 """FP8 (e4m3, DeepSeek-V3 block scales) grouped GEMMs over a pool of BM-row blocks: L1 (gate/up
-+ SwiGLU x topk weight + fp8 re-quantization) and L2 (down projection). Standalone: not wired
-into the layer (moestream.stages / fused.py) yet, no waits, no peers; one launch per GEMM.
-Launchers: moestream/fp8.py. sm_90 compile check: ``python -m moestream.aot --fp8``.
++ SwiGLU x topk weight + fp8 re-quantization) and L2 (down projection). The block functions
+serve the layer (kernels/gemm.py's L1/L2 kernels with FP8, over packed byte rows) and the
+standalone kernels below (separate value and scale tensors, no waits, no peers; launchers:
+moestream/fp8.py). sm_90 compile check: ``python -m moestream.aot --fp8``.
 
 Legend (formats: moestream/quant.py, docs/quantization.md):
     pool_x_q [P, H] fp8 e4m3      rows of the pool, P = blocks * BM; block m holds rows
@@ -83,19 +84,23 @@ def quant_rows_128(act, FIX_ROUNDING: tl.constexpr):
 
 @triton.jit
 def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                 X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FIX_ROUNDING: tl.constexpr):
     """One L1 block (m_block, n_block): gate and up with per-K-block scales, SwiGLU x weight,
-    fp8 re-quantization of its BN columns (BN/128 scale groups per row)."""
+    fp8 re-quantization of its BN columns (BN/128 scale groups per row).
+    Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE, act_q A_STRIDE, act_scale
+    AS_STRIDE (H, H/128, I, I/128 for separate tensors; the layer packs values and scales
+    in one byte row)."""
     KB = H // BK
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
-    a_ptrs = x_q + rows[:, None] * H + kk[None, :]
+    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
     wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
-    xs_ptrs = x_scale + rows * KB
+    xs_ptrs = x_scale + rows * XS_STRIDE
     sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (n // 128) * KB     # [BN], gate rows
     su_ptrs = sg_ptrs + (I // 128) * KB                                # up rows
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -116,10 +121,10 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
     q, scale = quant_rows_128(act, FIX_ROUNDING)
-    tl.store(act_q + rows[:, None] * I + n[None, :], q, mask=rv[:, None])
+    tl.store(act_q + rows[:, None] * A_STRIDE + n[None, :], q, mask=rv[:, None])
     G: tl.constexpr = BN // 128
     groups = nb * G + tl.arange(0, G)
-    tl.store(act_scale + rows[:, None] * (I // 128) + groups[None, :], scale, mask=rv[:, None])
+    tl.store(act_scale + rows[:, None] * AS_STRIDE + groups[None, :], scale, mask=rv[:, None])
 
 
 @triton.jit
@@ -132,24 +137,24 @@ def l1_fp8_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale
     vm = meta & 511
     if vm > 0:
         l1_fp8_block(mb, nb, meta >> 9, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
-                     H, I, BM, BN, BK, FIX_ROUNDING)
+                     H, I, H, H // 128, I, I // 128, BM, BN, BK, FIX_ROUNDING)
 
 
 # ---- L2 -------------------------------------------------------------------------------------
 
 @triton.jit
-def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
-    """One L2 block (m_block, n_block): y rows = act @ w2^T with per-K-block scales."""
+def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block, per-K-block scales.
+    Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as ``l1_fp8_block``)."""
     KB = I // BK
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
-    a_ptrs = act_q + rows[:, None] * I + kk[None, :]
+    a_ptrs = act_q + rows[:, None] * A_STRIDE + kk[None, :]
     w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    as_ptrs = act_scale + rows * KB
+    as_ptrs = act_scale + rows * AS_STRIDE
     ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB           # [BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, KB):
@@ -160,6 +165,17 @@ def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
         acc += tl.dot(a, w) * (xs[:, None] * ws[None, :])
         a_ptrs += BK
         w_ptrs += BK
+    return acc
+
+
+@triton.jit
+def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """One L2 block (m_block, n_block): y rows = act @ w2^T with per-K-block scales."""
+    acc = l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, I, I // 128, BM, BN, BK)
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    n = nb * BN + tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
     if OUT_BF16:
         out = to_bf16(acc, FIX_ROUNDING)
