@@ -9,6 +9,11 @@ Providers, measured in the same run on the same inputs:
     chunk<C>      the fused launch in chunked mode (granularity=C tokens, a multiple of block_m,
                   or chunkexpert: whole experts), replayed from CUDA graphs like fused-graph
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
+    torch-symm    the same layer with torch's NVSHMEM all_to_all_vdev_2d dispatch and
+                  all_to_all_vdev_2d_offset combine (moestream/baselines/torch_symm.py; no host
+                  sync). NVSHMEM must own the process's symmetric memory, so it runs in its own
+                  processes after the others, on the same inputs (same seeds), checked against
+                  the torch provider's output.
     fp8-staged    ours in fp8 (MoEConfig dtype "fp8", weights quantized from the same bf16
                   experts, DeepSeek-V3 block format); fp8-staged-graph: replayed from graphs.
                   Rows carry dtype "fp8" (floors of the fp8 format) and their agreement with
@@ -30,7 +35,7 @@ import torch
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
-             "fp8-staged-graph")
+             "fp8-staged-graph", "torch-symm")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -112,11 +117,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     try:
         for shape in shapes:
             cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
-            e_loc = cfg.experts_per_rank(world)
-            g = torch.Generator().manual_seed(seed + 17 * rank)
-            H, I = cfg.hidden, cfg.intermediate
-            w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
-            w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
+            data = list(_weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew))
+            w13, w2 = data[0][:2]
             ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
             buf8 = w8 = None
@@ -124,8 +126,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 buf8 = SymmBuffer(cfg.with_(dtype="fp8"), group=dist.group.WORLD)
                 (w13q,), (w2q,) = quantize_weights([w13], [w2])
                 w8 = (w13q, w2q)
-            for T in tokens:
-                sets = _inputs(cfg, T, g, dev, skew=skew, sets=4)
+            for _, _, T, sets in data:
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
                                               granularity=granularity)
@@ -194,11 +195,70 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             for b in (buf, buf8):
                 if b is not None:
                     b.destroy()
-            w13 = w2 = w8 = None   # this shape's weights go before the next shape's arrive
+            data = w13 = w2 = w8 = None   # this shape's weights go before the next one's arrive
             torch.cuda.empty_cache()
     finally:
         if progress is not None:
             progress.stop()
+    return rows
+
+
+def _weights_and_inputs(cfg, world: int, rank: int, seed: int, tokens: Sequence[int], dev,
+                        skew: float | None):
+    """This rank's bf16 experts and, per token count, its input sets: one generator drawn in
+    one order, so every worker of a run sees the same data."""
+    e_loc = cfg.experts_per_rank(world)
+    g = torch.Generator().manual_seed(seed + 17 * rank)
+    H, I = cfg.hidden, cfg.intermediate
+    w13 = (torch.randn(e_loc, 2 * I, H, generator=g) * H ** -0.5).bfloat16().to(dev)
+    w2 = (torch.randn(e_loc, H, I, generator=g) * I ** -0.5).bfloat16().to(dev)
+    for T in tokens:
+        yield w13, w2, T, _inputs(cfg, T, g, dev, skew=skew, sets=4)
+
+
+def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
+                      reps: int, warmup: int, skew: float | None, seed: int) -> list[dict]:
+    """The torch-symm provider on every rank (its own processes: NVSHMEM owns their symmetric
+    memory). One context per token count (its static shapes scale with it). Rank 0's rows."""
+    import torch.distributed as dist
+
+    from . import MoEConfig
+    from .baselines.torch_a2a import moe_forward_a2a
+    from .baselines.torch_symm import SymmA2AContext, SymmUnavailableError, moe_forward_symm
+    from .bench import result_row, slowest, time_cuda
+    from .testing import TOLERANCE, rel_error
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    rows: list[dict] = []
+    for shape in shapes:
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
+        E = cfg.num_experts
+        for w13, w2, T, sets in _weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew):
+            try:
+                ctx = SymmA2AContext(T, cfg.hidden, cfg.top_k, E, device=dev)
+            except SymmUnavailableError as exc:
+                if rank == 0:
+                    print(f"torch-symm unavailable: {exc}")
+                return rows
+            fn = (lambda a: moe_forward_symm(a[0], a[1], a[2], w13, w2, num_experts=E,
+                                             ctx=ctx))
+            y = fn(sets[0])
+            ref = moe_forward_a2a(*sets[0], w13, w2, num_experts=E)
+            err = rel_error(y, ref)
+            dist.barrier()
+            stats = slowest(time_cuda(fn, warmup=warmup, reps=reps, rotate=sets))
+            ctx.close()
+            if rank == 0:
+                rows.append(result_row(
+                    shape=shape, ranks=world, tokens_per_rank=T, dtype="bf16",
+                    provider="torch-symm", median_us=stats["median_us"], p20_us=stats["p20_us"],
+                    p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
+                    routing="skewed" if skew else "uniform", rel_diff_vs_torch=err,
+                    agrees=bool(err < 2 * TOLERANCE["bf16"])))
+                print(f"{shape} T={T} torch-symm: {stats['median_us']:.1f} us "
+                      f"(rel diff vs torch {err:.1e})", flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -212,7 +272,14 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     world = world or torch.cuda.device_count()
     if world < 1:
         raise ValueError("the EP benchmark needs at least one CUDA GPU")
-    results = spawn(bench_ep_worker, world_size=world, backend="nccl",
-                    args=(list(shapes), list(tokens), list(providers), reps, warmup, skew, seed),
-                    timeout_s=timeout_s)
-    return results[0]
+    rows: list[dict] = []
+    main = [p for p in providers if p != "torch-symm"]
+    if main:
+        rows += spawn(bench_ep_worker, world_size=world, backend="nccl",
+                      args=(list(shapes), list(tokens), main, reps, warmup, skew, seed),
+                      timeout_s=timeout_s)[0]
+    if "torch-symm" in providers:
+        rows += spawn(bench_symm_worker, world_size=world, backend="nccl",
+                      args=(list(shapes), list(tokens), reps, warmup, skew, seed),
+                      timeout_s=timeout_s)[0]
+    return rows
