@@ -49,6 +49,12 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
     # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
     GemmVariant("fp8", 128, stages.Tuning.hopper(128, "fp8"), "fp8"),
+    GemmVariant("fp8-l2n64", 128, replace(stages.Tuning.hopper(128, "fp8"), l2_block_n=64,
+                                          l2_warps=4, l2_stages=4), "fp8"),
+    GemmVariant("fp8-s4", 128, replace(stages.Tuning.hopper(128, "fp8"), l1_stages=4,
+                                       l2_stages=4), "fp8"),
+    GemmVariant("fp8-m64", 64, replace(stages.Tuning.hopper(128, "fp8"), l1_stages=4,
+                                       l2_stages=4), "fp8"),
 ]}
 
 

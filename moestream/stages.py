@@ -94,10 +94,10 @@ class Tuning:
         """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200
         (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits
         (the staged path's stream order already completes every producer). fp8: 128-wide
-        L1 and L2 blocks (K steps of 128, one scale block each), 8 warps, 3 stages: the
-        sm_90 compile of docs/quantization.md that fits shared memory without spilling."""
+        L1 and L2 blocks (K steps of 128, one scale block each), 8 warps, L1 3 stages, L2
+        4 (the GEMM sweep of benchmarks/NOTES.md, session 4)."""
         if dtype == "fp8":
-            return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
+            return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=4, l1_block_n=128,
                        l2_block_n=128, wait=False)
         if block_m >= 128:
             return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
