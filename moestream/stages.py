@@ -60,6 +60,8 @@ class Tuning:
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
     dispatch_eager: fused dispatch tiles load picks, slots, weights and the first row chunk
         at once (fewer peer round trips in a row; also reads rows with no pick here).
+    l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
+        a weight column block is reused by that many m-blocks while it sits in L2 cache).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
     """
@@ -88,6 +90,7 @@ class Tuning:
     combine_tile: int = 1
     combine_chunk: int | None = None
     dispatch_eager: bool = False
+    l2_group_m: int = 8
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -144,7 +147,8 @@ class Tuning:
                        dispatch_eager=True, combine_tile=4, combine_chunk=512)
 
     def __post_init__(self):
-        for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs"):
+        for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
+                     "l2_group_m"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -380,7 +384,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
         cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes,
         K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
         WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
-        **_launch_kw(tuning.l2_warps, tuning.l2_stages))
+        GROUP_M=tuning.l2_group_m, **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:

@@ -388,7 +388,10 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(l1_block_n=32, l1_block_k=32, l2_block_n=128, l2_block_k=16),  # other tiles
     stages.Tuning(wait=False, programs=3),                            # stream order only
     stages.Tuning(wait=False, done_scope="sys", use_tma=True),        # conservative L2 scope
-], ids=["tma", "pointers", "tiles", "nowait", "sys-scope"])
+    stages.Tuning(l2_group_m=1, l2_block_n=32),                       # L2 tickets n fastest
+    stages.Tuning(l2_group_m=3, l2_block_n=32, programs=3),           # groups of 3 m-blocks,
+                                                                      # the last one partial
+], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]

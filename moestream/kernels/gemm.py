@@ -37,6 +37,20 @@ def block_meta_of(block_meta, ticket, total, NB):
 
 
 @triton.jit
+def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
+    """(m_block, n_block) of ``ticket`` when tickets walk GROUP_M m-blocks at a time, m
+    fastest within a group (the usual GEMM swizzle): the programs running at once share a few
+    weight column blocks across GROUP_M m-blocks instead of streaming a whole expert's weights
+    once per m-block (L2 of dsv3 has 112 column blocks, close to the SM count). GROUP_M = 1:
+    n fastest."""
+    per_group = GROUP_M * NB
+    first_m = (ticket // per_group) * GROUP_M
+    size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)   # >= 1 past the last ticket
+    r = ticket % per_group
+    return first_m + r % size_m, r // size_m
+
+
+@triton.jit
 def l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):
     """Tensor descriptors (TMA) of L1's A rows [P, H] and weight tiles [E_LOC * 2I, H]."""
@@ -239,9 +253,10 @@ def l2_kernel(
     H, I, E_LOC, T_MAX, NB1, P, R, AB,   # FP8: bytes per pool_act row
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
-    USE_TIMER: tl.constexpr, FP8: tl.constexpr = False,
+    USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
-    """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots."""
+    """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
+    GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``)."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     if FP8:
         w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
@@ -259,29 +274,34 @@ def l2_kernel(
     if USE_TMA and not FP8:
         a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
     NB = H // BN
-    total = tl.load(block_start + E_LOC) * NB
+    num_m = tl.load(block_start + E_LOC)
+    total = num_m * NB
     ticket = pid
     ok = pid >= 0
-    meta = block_meta_of(block_meta, ticket, total, NB)
+    mb, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
+    meta = tl.load(block_meta + mb, mask=ticket < total, other=0)
     while (ticket < total) & ok:
-        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
+        mb_next, nb_next = grouped_tile(ticket + nprog, num_m, NB, GROUP_M)
+        meta_next = tl.load(block_meta + mb_next, mask=ticket + nprog < total, other=0)
         if WAIT:
-            ok = wait_at_least(l1_done + ticket // NB, NB1, diag, max_spins, timeout_ns, 3,
-                               rank, ticket // NB, epoch, -1, SCOPE="gpu",
+            ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
+                               rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
             if FP8:
-                acc = l2_fp8_acc(ticket // NB, ticket % NB, meta >> 9,
+                acc = l2_fp8_acc(mb, nb, meta >> 9,
                                  aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
                                  aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32),
                                  w2, w2_s,
                                  H, I, AB, AB // 4, BM, BN, BK)
-                l2_epilogue(acc, ticket // NB, ticket % NB, NB, meta & 511, table, l2_done,
+                l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done,
                             pool_src, off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN,
                             UPCAST, DONE_SCOPE)
             else:
-                l2_block(ticket // NB, ticket % NB, NB, meta, table, l2_done, pool_act, pool_src,
+                l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
                          w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
                          BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE)
+        mb = mb_next
+        nb = nb_next
         meta = meta_next
         ticket += nprog
