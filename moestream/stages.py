@@ -62,6 +62,8 @@ class Tuning:
         at once (fewer peer round trips in a row; also reads rows with no pick here).
     l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
+        1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
+        slower at 16-128 (benchmarks/NOTES.md, session 4).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
     """
@@ -90,7 +92,7 @@ class Tuning:
     combine_tile: int = 1
     combine_chunk: int | None = None
     dispatch_eager: bool = False
-    l2_group_m: int = 8
+    l2_group_m: int = 1
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
