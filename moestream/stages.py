@@ -64,6 +64,11 @@ class Tuning:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
         1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
         slower at 16-128 (benchmarks/NOTES.md, session 4).
+    l2_signal: how the staged L2 tells the combine that rows are complete: "rank" (each L2
+        program counts itself once; the rank's last program releases every rank's
+        ``l2_ranks_done``; the combine waits for R there) or "rows" (every tile counts its
+        m-block; the m-block's last tile releases each row's combine flag, as the fused
+        launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
     """
@@ -93,6 +98,7 @@ class Tuning:
     combine_chunk: int | None = None
     dispatch_eager: bool = False
     l2_group_m: int = 1
+    l2_signal: str = "rank"
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -159,6 +165,8 @@ class Tuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"Tuning.{name} must be a power of two, got {v!r}")
+        if self.l2_signal not in ("rank", "rows"):
+            raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
 
     def with_granularity(self, granularity: "int | str", block_m: int) -> "Tuning":
         """This tuning in a streaming mode of the fused launch (see ``mega_moe``):
@@ -381,12 +389,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
         buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
         off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
-        off["off_combine_y"], off["off_combine_flag"],
+        off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
+        off["off_l2_ranks_done"],
         cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
         cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes,
         K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
         WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
-        GROUP_M=tuning.l2_group_m, **_launch_kw(tuning.l2_warps, tuning.l2_stages))
+        GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
+        **_launch_kw(tuning.l2_warps, tuning.l2_stages))
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
@@ -401,10 +411,11 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, y3, y3.stride(0),
         y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
-        off["off_combine_y"], off["off_combine_flag"],
-        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts,
+        off["off_combine_y"], off["off_combine_flag"], off["off_l2_ranks_done"],
+        cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
-        FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
+        **_launch_kw(tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],

@@ -325,6 +325,26 @@ def test_gemm_without_dispatch_reports_the_stalled_block(device, gen):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_combine_without_l2_reports_the_missing_ranks(device, gen):
+    # the staged combine waits once for every rank's L2 (Tuning.l2_signal "rank"); with the
+    # L2 launch skipped it gives up with a stall naming that wait, instead of summing garbage
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
+    buf.timeout_s = 0.5
+    xs, idxs, ws = make_case(cfg, 2, [8, 5], gen, device)
+    w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
+    for lr in range(2):
+        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
+    stages.signal(buf)
+    stages.layout(buf)
+    stages.dispatch(buf)
+    stages.l1(buf, w13s)
+    stages.combine(buf, torch.empty(2, 8, cfg.hidden, dtype=torch.bfloat16, device=device))
+    with pytest.raises(KernelStallError, match="every rank's L2 finished"):
+        buf.check()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_out_of_range_expert_ids(device, gen):
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=2, device=device)
@@ -391,7 +411,9 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(l2_group_m=1, l2_block_n=32),                       # L2 tickets n fastest
     stages.Tuning(l2_group_m=3, l2_block_n=32, programs=3),           # groups of 3 m-blocks,
                                                                       # the last one partial
-], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3"])
+    stages.Tuning(l2_signal="rows", wait=False),                      # per-row combine flags
+], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
+        "row-signal"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]

@@ -42,7 +42,8 @@ __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "peer_ptr",
 
 # diag "phase" codes written by a kernel that gave up waiting
 PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
-               3: "L2: L1 column blocks of an m-block", 4: "combine: L2 rows of a token's picks"}
+               3: "L2: L1 column blocks of an m-block", 4: "combine: L2 rows of a token's picks",
+               5: "combine: every rank's L2 finished"}
 
 
 def next_pow2(n: int) -> int:

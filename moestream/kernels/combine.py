@@ -11,17 +11,20 @@ BH-wide chunks so a program never holds more than CT x BH values. Picks with id 
 """
 from __future__ import annotations
 
-from ._common import launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_least
+from ._common import (launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_least,
+                      wait_at_least)
 
 
 @triton.jit
 def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, timeout_ns,
                    epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
                    K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
-                   FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr):
+                   FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr,
+                   WAIT_FLAGS: tl.constexpr = True):
     """One combine task: tokens [t0, t0 + n), TT at a time: wait for their valid picks'
-    flags, then y[t, :] = fp32 sum over k of combine_y[t, k, :] (y row t at y_ptr + t *
-    y_stride). Returns False if a wait gave up."""
+    flags (WAIT_FLAGS; without, the caller has already waited for every rank's L2), then
+    y[t, :] = fp32 sum over k of combine_y[t, k, :] (y row t at y_ptr + t * y_stride).
+    Returns False if a wait gave up."""
     k = tl.arange(0, K_PAD)
     km = k < K
     flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
@@ -36,9 +39,11 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
         idx = tl.load(peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
                       mask=pick, other=-1)
         valid = pick & (idx >= 0) & (idx < E)
-        ok = wait_all_at_least(tl.reshape(flags + tk, [TT * K_PAD]), 1,
-                               tl.reshape(valid, [TT * K_PAD]), diag, max_spins, timeout_ns, 4,
-                               rank, t0 * K, epoch, SCOPE="sys", USE_TIMER=USE_TIMER)
+        if WAIT_FLAGS:
+            ok = wait_all_at_least(tl.reshape(flags + tk, [TT * K_PAD]), 1,
+                                   tl.reshape(valid, [TT * K_PAD]), diag, max_spins,
+                                   timeout_ns, 4, rank, t0 * K, epoch, SCOPE="sys",
+                                   USE_TIMER=USE_TIMER)
         if ok:
             for h0 in range(0, H, BH):
                 h = h0 + tl.arange(0, BH)
@@ -61,18 +66,25 @@ def combine_kernel(
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
     y_rank_stride, y_stride,
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
-    T_MAX, H, E,
+    off_l2_ranks_done, T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False,
 ):
+    """WAIT_RANKS: wait once for every rank's L2 (``l2_ranks_done`` reaching R, released by
+    the L2 kernel with RANK_SIGNAL) instead of per pick flags."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
     t = pid
     ok = pid >= 0
+    if WAIT_RANKS:
+        if T > pid:
+            ok = wait_at_least(peer_ptr(table, rank, off_l2_ranks_done, tl.int32), R, diag,
+                               max_spins, timeout_ns, 5, rank, 0, epoch, -1, SCOPE="sys",
+                               USE_TIMER=USE_TIMER)
     while (t < T) & ok:
         ok = combine_tokens(table, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
                             epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
-                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER)
+                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER, not WAIT_RANKS)
         t += nprog

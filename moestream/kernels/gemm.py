@@ -181,7 +181,8 @@ def l1_kernel(
 def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
              off_combine_y, off_combine_flag, H, I, T_MAX, R,
              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr):
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
+             SIGNAL_ROWS: tl.constexpr = True):
     """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
     that completes an m-block (of NB column blocks) releases its rows' combine flags."""
     e = meta >> 9
@@ -207,16 +208,17 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
         a_ptrs += BK
         w_ptrs += BK
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
-                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE)
+                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS)
 
 
 @triton.jit
 def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr):
+                FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                SIGNAL_ROWS: tl.constexpr = True):
     """An L2 block's fp32 tile ``acc`` [BM, BN] (rows of m_block, columns of n_block) into
-    its tokens' combine slots as bf16; the block that completes an m-block (of NB column
-    blocks) releases its rows' combine flags."""
+    its tokens' combine slots as bf16; with SIGNAL_ROWS, the block that completes an m-block
+    (of NB column blocks) releases its rows' combine flags (without: the caller signals)."""
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
@@ -231,16 +233,17 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
     for s in range(0, R):
         tl.store(peer_ptr(table, s, off_combine_y, tl.bfloat16) + offs, out,
                  mask=(rv & (src == s))[:, None])
-    tl.debug_barrier()  # every thread's rows are stored before the count is released
-    # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU, the
-    # last one releases to the peers at system scope, and release is cumulative); "sys" is
-    # the conservative form.
-    done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
-    if done == NB - 1:
-        # last column block of this m-block: every block's rows are visible (acquired above),
-        # so one release per row tells the token's rank that its row is complete
-        flags = peer_ptrs(table, src, off_combine_flag + tk.to(tl.int64) * 4, rv, tl.int32)
-        tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
+    if SIGNAL_ROWS:
+        tl.debug_barrier()  # every thread's rows are stored before the count is released
+        # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU,
+        # the last one releases to the peers at system scope, and release is cumulative);
+        # "sys" is the conservative form.
+        done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
+        if done == NB - 1:
+            # last column block of this m-block: every block's rows are visible (acquired
+            # above), so one release per row tells the token's rank that its row is complete
+            flags = peer_ptrs(table, src, off_combine_flag + tk.to(tl.int64) * 4, rv, tl.int32)
+            tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
 
 
 @triton.jit
@@ -249,14 +252,20 @@ def l2_kernel(
     w2s_table,                 # FP8: int64[local ranks] w2_scale_inv bases
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
-    off_pool_act, off_pool_src, off_combine_y, off_combine_flag,
+    off_pool_act, off_pool_src, off_combine_y, off_combine_flag, off_l2_programs,
+    off_l2_ranks_done,
     H, I, E_LOC, T_MAX, NB1, P, R, AB,   # FP8: bytes per pool_act row
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+    RANK_SIGNAL: tl.constexpr = False,
 ):
     """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
-    GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``)."""
+    GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
+    RANK_SIGNAL: instead of counting every tile per m-block and releasing each row's combine
+    flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
+    itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
+    on every rank (system scope); the staged combine waits for R there."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     if FP8:
         w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
@@ -296,12 +305,23 @@ def l2_kernel(
                                  H, I, AB, AB // 4, BM, BN, BK)
                 l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done,
                             pool_src, off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN,
-                            UPCAST, DONE_SCOPE)
+                            UPCAST, DONE_SCOPE, not RANK_SIGNAL)
             else:
                 l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
                          w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
-                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE)
+                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL)
         mb = mb_next
         nb = nb_next
         meta = meta_next
         ticket += nprog
+    if RANK_SIGNAL:
+        if ok:   # a program that gave up does not count: the peers' combine then stalls too
+            tl.debug_barrier()  # this program's rows are stored before it counts itself
+            # gpu scope between the programs of this GPU, then one cumulative system-scope
+            # release per rank by the last one (the reasoning of DONE_SCOPE in l2_epilogue)
+            done = tl.atomic_add(peer_ptr(table, rank, off_l2_programs, tl.int32), 1,
+                                 sem="acq_rel", scope="gpu")
+            if done == nprog - 1:
+                for s in range(0, R):
+                    tl.atomic_add(peer_ptr(table, s, off_l2_ranks_done, tl.int32), 1,
+                                  sem="release", scope="sys")
