@@ -210,6 +210,10 @@ class MegaMoE(torch.nn.Module):
     Attributes:
         w13 [E/R, 2I, H] bf16 and w2 [E/R, H, I] bf16: this rank's experts (parameters,
             uninitialised until loaded or ``reset_parameters`` is called).
+        fp8 configs (``config.dtype == "fp8"``): w13 and w2 are float8_e4m3fn of those shapes,
+            with w13_scale_inv [E/R, 2I/128, H/128] and w2_scale_inv [E/R, H/128, I/128] fp32
+            (the DeepSeek-V3 block format: load ``quant.load_deepseek_v3_experts`` output into
+            them, or ``quant.convert_expert_weights_fp8`` of bf16 experts).
     """
 
     def __init__(self, config, *, group=None, device: str | torch.device | None = None,
@@ -229,10 +233,16 @@ class MegaMoE(torch.nn.Module):
         self.scoring, self.renormalize = scoring, renormalize
         e_loc = config.experts_per_rank(self.buffer.num_ranks)
         H, I = config.hidden, config.intermediate
-        self.w13 = torch.nn.Parameter(torch.empty(e_loc, 2 * I, H, dtype=torch.bfloat16,
-                                                  device=device), requires_grad=False)
-        self.w2 = torch.nn.Parameter(torch.empty(e_loc, H, I, dtype=torch.bfloat16,
-                                                 device=device), requires_grad=False)
+        wdtype = torch.float8_e4m3fn if config.dtype == "fp8" else torch.bfloat16
+
+        def param(*shape, dtype=wdtype):
+            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+                                      requires_grad=False)
+        self.w13 = param(e_loc, 2 * I, H)
+        self.w2 = param(e_loc, H, I)
+        if config.dtype == "fp8":
+            self.w13_scale_inv = param(e_loc, 2 * I // 128, H // 128, dtype=torch.float32)
+            self.w2_scale_inv = param(e_loc, H // 128, I // 128, dtype=torch.float32)
 
     @property
     def rank(self) -> int:
@@ -246,16 +256,32 @@ class MegaMoE(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Random experts with unit-variance activations (1/sqrt(fan_in))."""
+        """Random experts with unit-variance activations (1/sqrt(fan_in)); fp8 configs
+        quantize them to the block format."""
         H, I = self.config.hidden, self.config.intermediate
-        self.w13.copy_(torch.randn(self.w13.shape, generator=generator) * H ** -0.5)
-        self.w2.copy_(torch.randn(self.w2.shape, generator=generator) * I ** -0.5)
+        w13 = torch.randn(self.w13.shape, generator=generator) * H ** -0.5
+        w2 = torch.randn(self.w2.shape, generator=generator) * I ** -0.5
+        if self.config.dtype == "fp8":
+            from .quant import convert_expert_weights_fp8
+            q = convert_expert_weights_fp8(w13, w2)
+            w13, w2 = q["w13"], q["w2"]
+            self.w13_scale_inv.copy_(q["w13_scale_inv"])
+            self.w2_scale_inv.copy_(q["w2_scale_inv"])
+        self.w13.copy_(w13)
+        self.w2.copy_(w2)
+
+    def experts(self) -> tuple:
+        """(w13, w2) as ``mega_moe`` takes them: tensors, or fp8 (values, scale_inv) pairs."""
+        if self.config.dtype == "fp8":
+            return (self.w13, self.w13_scale_inv), (self.w2, self.w2_scale_inv)
+        return self.w13, self.w2
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_idx [T, K] int (global ids, -1 = none), topk_weights [T, K] fp32
         -> y [T, H] bf16."""
-        return mega_moe(x, topk_idx, topk_weights, self.w13, self.w2, self.buffer)
+        w13, w2 = self.experts()
+        return mega_moe(x, topk_idx, topk_weights, w13, w2, self.buffer)
 
     def forward_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route with ``moestream.route`` (this module's scoring) and run the layer.

@@ -216,3 +216,28 @@ def test_fp8_input_errors(gen):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=stages.Tuning(l1_block_n=64))
     with pytest.raises(ValueError, match="dtype must be one of"):
         fp8_config(dtype="fp4w")                                       # reserved, not built
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_megamoe_module_single_rank(gen, dtype):
+    # the nn.Module on one rank (no process group): its own buffer and experts, random
+    # parameters from reset_parameters (fp8: quantized to the block format), forward and
+    # forward_logits against the reference on the module's own parameters
+    from moestream import MegaMoE
+    from moestream.reference import moe_forward, route
+    cfg = fp8_config(num_experts=4, dtype=dtype)
+    m = MegaMoE(cfg, device="cpu")
+    m.reset_parameters(generator=gen)
+    if dtype == "fp8":
+        assert m.w13.dtype == FP8 and m.w13_scale_inv.shape == (4, 4, 2)
+    else:
+        assert m.w13.dtype == torch.bfloat16 and not hasattr(m, "w13_scale_inv")
+    x = make_tokens(11, cfg.hidden, generator=gen)
+    logits = torch.randn(11, cfg.num_experts, generator=gen)
+    w13, w2 = m.experts()
+    quant = "fp8" if dtype == "fp8" else "bf16"
+    idx, w = route(logits, cfg.top_k)
+    ref = moe_forward(x, idx, w, w13, w2, quant=quant)
+    y = m.forward_logits(x, logits)
+    assert rel_error(y, ref) < TOLERANCE[dtype]
+    assert torch.equal(m(x, idx, w), y)
