@@ -117,6 +117,35 @@ def test_logits_match_and_a_wrong_expert_does_not(family, gen):
         f"{family}: swapping two experts' weights went unnoticed by the comparison"
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_experts_match_the_quantized_reference(family, gen):
+    # dtype=float8_e4m3fn: the experts are quantized at conversion (128x128 block scales) and
+    # run the fp8 layer. The experts module against moe_forward(quant="fp8") on the module's
+    # own fp8 weights (like with like: TOLERANCE["fp8"]); the logits against the bf16 model
+    # only loosely (seen 1.6e-2 to 4.4e-2 over qwen3, deepseek_v3 and mixtral, 3 seeds each)
+    from moestream.reference import moe_forward
+    from moestream.testing import TOLERANCE
+    model = _model(family, gen, single_moe_layer=True)
+    ids = _ids(gen)
+    with torch.no_grad():
+        before = model(ids).logits
+    replace_moe_blocks(model, block_m=16, dtype=torch.float8_e4m3fn)
+    experts = _blocks(model)[-1].experts
+    assert experts.moe.w13.dtype == torch.float8_e4m3fn and experts.moe.config.dtype == "fp8"
+    x = torch.randn(12, H, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:experts.top_k]
+                       for _ in range(12)])
+    w = torch.rand(12, experts.top_k, generator=gen)
+    with torch.no_grad():
+        got = experts(x, idx, w)
+    w13, w2 = experts.moe.experts()
+    ref = moe_forward(x, idx, w, w13, w2, quant="fp8")
+    assert rel_error(got, ref) < TOLERANCE["fp8"]
+    with torch.no_grad():
+        after = model(ids).logits
+    assert rel_error(after, before) < 0.1
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_block_matches_on_the_models_own_inputs(family, gen):
     model = _model(family, gen, single_moe_layer=False)
@@ -369,7 +398,7 @@ def test_unknown_moe_block_is_named_and_nothing_changes(gen):
 
 def test_bad_arguments_and_unsupported_blocks(gen):
     block = _qwen3_block(gen)
-    with pytest.raises(ValueError, match="dtype must be torch.bfloat16"):
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float8_e4m3fn"):
         replace_moe_blocks(block, dtype=torch.float16)
     with pytest.raises(ValueError, match="buffer_tokens must be a positive int"):
         replace_moe_blocks(block, buffer_tokens=0)

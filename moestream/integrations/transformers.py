@@ -182,7 +182,8 @@ class MegaMoEExperts(nn.Module):
 
     Attributes:
         moe: the ``MegaMoE`` (its ``w13`` [E/R, 2I, H] and ``w2`` [E/R, H, I] bf16 hold the
-            experts ``moe.expert_range``; ``moe.buffer`` its communication buffer).
+            experts ``moe.expert_range``, or e4m3 with ``w13_scale_inv`` / ``w2_scale_inv``
+            for dtype=torch.float8_e4m3fn; ``moe.buffer`` its communication buffer).
         num_experts: E over all ranks.
         source: the class name of the block this replaced the experts of.
     """
@@ -315,7 +316,7 @@ def _find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _plan_block(name: str, block: nn.Module, *, buffer_tokens: int, block_m: int | None,
-                device: torch.device | None) -> _Plan:
+                device: torch.device | None, fmt: str = "bf16") -> _Plan:
     cls = type(block).__name__
     family = SUPPORTED_BLOCKS[cls]
     where = f"{name or 'the model'} ({cls})"
@@ -367,7 +368,7 @@ def _plan_block(name: str, block: nn.Module, *, buffer_tokens: int, block_m: int
     try:
         config = MoEConfig(hidden=hidden, intermediate=layout.intermediate,
                            num_experts=num_experts, top_k=top_k,
-                           max_tokens_per_rank=buffer_tokens,
+                           max_tokens_per_rank=buffer_tokens, dtype=fmt,
                            **({} if block_m is None else {"block_m": block_m}))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
@@ -432,8 +433,19 @@ def _agree(plans: list[_Plan], error: ValueError | None, group, ranks: int) -> N
 def _convert(plan: _Plan, *, group) -> None:
     moe = MegaMoE(plan.config, group=group, device=plan.device)
     w13, w2 = plan.layout.extract(plan.block.experts, moe.expert_range)
-    moe.w13.copy_(w13)
-    moe.w2.copy_(w2)
+    if plan.config.dtype == "fp8":
+        from ..quant import convert_expert_weights_fp8
+        step = 8   # experts quantized at a time: bounds the fp32 temporaries
+        for e in range(0, w13.shape[0], step):
+            q = convert_expert_weights_fp8(w13[e:e + step].to(plan.device),
+                                           w2[e:e + step].to(plan.device))
+            moe.w13[e:e + step].copy_(q["w13"])
+            moe.w2[e:e + step].copy_(q["w2"])
+            moe.w13_scale_inv[e:e + step].copy_(q["w13_scale_inv"])
+            moe.w2_scale_inv[e:e + step].copy_(q["w2_scale_inv"])
+    else:
+        moe.w13.copy_(w13)
+        moe.w2.copy_(w2)
     del w13, w2
     block = plan.block
     # Dropping the block's last reference to its experts frees every expert's weights,
@@ -447,14 +459,19 @@ def _convert(plan: _Plan, *, group) -> None:
             block)
 
 
+# replace_moe_blocks' dtype -> MoEConfig.dtype
+_FORMATS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+
+
 def _plan_all(model: nn.Module, *, dtype: torch.dtype, buffer_tokens: int | None,
               block_m: int | None, device) -> list[_Plan]:
     """Check the arguments and every block (ValueError); changes nothing."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"dtype must be torch.bfloat16 (the only precision implemented), got "
-                         f"{dtype}")
+    fmt = _FORMATS.get(dtype)
+    if fmt is None:
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float8_e4m3fn (fp8 experts, "
+                         f"DeepSeek-V3 block scales), got {dtype}")
     if buffer_tokens is None:
         buffer_tokens = DEFAULT_BUFFER_TOKENS
     if isinstance(buffer_tokens, bool) or not isinstance(buffer_tokens, int) or buffer_tokens <= 0:
@@ -470,7 +487,8 @@ def _plan_all(model: nn.Module, *, dtype: torch.dtype, buffer_tokens: int | None
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device must be a torch.device or a device string, got "
                              f"{device!r}") from e
-    plans = [_plan_block(name, block, buffer_tokens=buffer_tokens, block_m=block_m, device=device)
+    plans = [_plan_block(name, block, buffer_tokens=buffer_tokens, block_m=block_m, device=device,
+                         fmt=fmt)
              for name, block in blocks]
     del blocks
     return plans
@@ -499,7 +517,10 @@ def replace_moe_blocks(model: nn.Module, *, group=None, dtype: torch.dtype = tor
         group: torch.distributed process group to split the experts over (rank r holds experts
             [r*E/R, (r+1)*E/R)). None: the default group when torch.distributed is initialised
             (as ``MegaMoE``), else one rank holding every expert in this process.
-        dtype: the experts' compute dtype; only torch.bfloat16 is implemented.
+        dtype: the experts' format: torch.bfloat16, or torch.float8_e4m3fn to quantize them
+            at conversion to fp8 with 128x128 block scales (DeepSeek-V3's format) and run the
+            fp8 layer (tokens quantized per 128 channels before they cross NVLink;
+            docs/quantization.md). The model's experts must hold float weights.
         buffer_tokens: most tokens (batch x sequence) one rank passes to one MoE block per
             forward; each block's buffers are sized for it. Default ``DEFAULT_BUFFER_TOKENS``.
             With one rank longer inputs are split into chunks; with several it is an error.
