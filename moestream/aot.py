@@ -133,8 +133,9 @@ def compile_fp8_gemms(*, hidden: int = 7168, intermediate: int = 2048, block_m: 
 def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                   variants: dict[str, dict] | None = None) -> list[dict]:
     """Run the staged and the fused path (token and chunked mode) of a small call of
-    ``shape`` with launches replaced by compile-only calls; one dict per distinct compiled
-    kernel. ``variants``: name -> ``stages.Tuning`` fields, each also compiled (fused path)."""
+    ``shape`` with launches replaced by compile-only calls, then both paths in fp8 (kernels
+    labelled " fp8"); one dict per distinct compiled kernel. ``variants``: name ->
+    ``stages.Tuning`` fields, each also compiled (fused path)."""
     import torch
 
     from . import stages
@@ -174,8 +175,10 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         buf = SymmBuffer(cfg8, num_ranks=1, device="cpu")
         w13s, w2s = _tiny_weights(cfg8, 1)
         y = torch.empty(1, 8, cfg.hidden, dtype=torch.bfloat16)
-        stages.run_staged(buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y,
-                          tuning=stages.Tuning.hopper(cfg.block_m, "fp8"))
+        args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
+        tuning8 = stages.Tuning.hopper(cfg.block_m, "fp8")
+        stages.run_staged(*args, tuning=tuning8)
+        stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
         label[0] = ""
     return _facts(compiled)
 

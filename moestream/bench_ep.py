@@ -19,6 +19,7 @@ Providers, measured in the same run on the same inputs:
                   Rows carry dtype "fp8" (floors of the fp8 format) and their agreement with
                   torch's bf16 output is judged against the fp8 quantization error
                   (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
+    fp8-fused-graph  the fp8 layer in the fused launch, replayed from CUDA graphs.
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -35,7 +36,7 @@ import torch
 __all__ = ["bench_ep_worker", "run_ep_bench"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
-             "fp8-staged-graph", "torch-symm")
+             "fp8-staged-graph", "fp8-fused-graph", "torch-symm")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -130,12 +131,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
                                               granularity=granularity)
-                def ours8(a):
-                    return mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8)
+                def ours8(impl):
+                    return lambda a: mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8, impl=impl)
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
                     "fused": ours("fused"), "fused-graph": ours("fused"),
-                    "fp8-staged": ours8, "fp8-staged-graph": ours8,
+                    "fp8-staged": ours8("staged"), "fp8-staged-graph": ours8("staged"),
+                    "fp8-fused-graph": ours8("fused"),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }

@@ -104,8 +104,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    _runner(impl, granularity, buffer.config.dtype)(buffer, xs, idxs, ws, w13s, w2s, out,
-                                                    tuning=tuning)
+    _runner(impl, granularity)(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
 
@@ -113,12 +112,9 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
 IMPLS = ("staged", "fused")
 
 
-def _runner(impl: str, granularity: int | str, dtype: str = "bf16"):
+def _runner(impl: str, granularity: int | str):
     """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
     is a ValueError from ``stages.fused_tuning``, before anything is launched)."""
-    if impl == "fused" and dtype != "bf16":
-        raise ValueError(f"impl='fused' runs bf16 only so far; a {dtype} buffer needs "
-                         f"impl='staged'")
     if impl == "staged":
         if granularity != "token":
             raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
@@ -184,7 +180,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    run = _runner(impl, granularity, buffer.config.dtype)
+    run = _runner(impl, granularity)
     run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now

@@ -300,7 +300,8 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     _dispatch.publish_kernel[grid](
         buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights, slot, counts,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
-        cfg.token_bytes, off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
+        cfg.token_bytes, off["off_epoch"], off["off_diag"], off["off_num_tokens"],
+        off["off_send_counts"],
         off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
         off["off_reset"], c.reset_words,
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, E_PAD=c.E_ALL_PAD, BT=BT,
@@ -454,14 +455,17 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     off = c.off
     bn1, bk1 = tuning.l1_tile(cfg)
     bn2, bk2 = tuning.l2_tile(cfg)
-    tma = tuning.tma(buffer)
+    fp8 = cfg.dtype == "fp8"
+    tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
     y3 = y if y.dim() == 3 else y.unsqueeze(0)
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     nloc = buffer.local_ranks
     programs = tuning.programs or (c.sms if c.sms else 2)
+    w13_tab, w13s_tab = _weight_tables(buffer, w13s)
+    w2_tab, w2s_tab = _weight_tables(buffer, w2s)
     _fused.fused_kernel[(programs, 1)](
-        buffer.table, buffer.rank0, nloc, buffer.weight_table(w13s), buffer.weight_table(w2s),
+        buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
         buffer.max_spins, buffer.timeout_ns,
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_src_tokens"],
@@ -471,14 +475,15 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
-        c.P, tuning.dispatch_tokens, tuning.chunk_blocks,
+        c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.dispatch_tokens,
+        tuning.chunk_blocks,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
-        BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk), TT=tuning.dispatch_tile,
+        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), TT=tuning.dispatch_tile,
         EAGER=tuning.dispatch_eager, CT=tuning.combine_tile,
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
-        ONE_RANK=nloc == 1, TRACE=trace is not None,
+        ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                      tuning.fused_stages or tuning.l1_stages))
 

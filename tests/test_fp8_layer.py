@@ -146,6 +146,8 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("impl, granularity", [("staged", "token"), ("fused", "token"),
+                                               ("fused", 32)])   # 32: chunks of 2 m-blocks
 @pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", [
     (1, [1], 4, 0.0, None, "T=1, R=1"),
     (2, [19, 0], 3, 0.2, None, "rank with zero tokens, -1 picks, 3 experts per rank"),
@@ -155,14 +157,15 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
     (3, [7, 24, 1], 5, 0.1, None, "3 ranks, 5 experts per rank, T not a multiple of BM"),
     (2, [6, 9], 4, 0.0, lambda r, T: torch.full((T, 2), -1), "every pick -1: y is exactly 0"),
 ])
-def test_fp8_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_rank, drop, routing,
-                                                    label):
+def test_fp8_layer_matches_the_quantized_reference(device, gen, impl, granularity, R, Ts,
+                                                    e_per_rank, drop, routing, label):
     cfg = fp8_config(num_experts=R * e_per_rank)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
     xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, out=out)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, out=out, impl=impl,
+                          granularity=granularity)
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=label)
 
 
@@ -210,8 +213,6 @@ def test_fp8_input_errors(gen):
     bad = [(q, s[:, :1]) for q, s in w2q]
     with pytest.raises(ValueError, match="w2 scale_inv must have shape"):
         mega_moe_virtual(xs, idxs, ws, w13q, bad, buf)                 # scale blocks missing
-    with pytest.raises(ValueError, match="bf16 only"):
-        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
     with pytest.raises(ValueError, match="l1_block_n 128 or 256"):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=stages.Tuning(l1_block_n=64))
     with pytest.raises(ValueError, match="dtype must be one of"):

@@ -17,6 +17,10 @@ one). So programs never wait in a cycle, however few of them are resident, and a
 The publish, signal and layout steps run before this launch (they are per-call setup: the
 pool layout needs every peer's counts).
 
+FP8 (constexpr): as the staged kernels' FP8 (gemm.py): byte rows of e4m3 values + fp32 scales
+(dispatch copies ROW_W 16-bit words per row), fp8 weights with 128x128 block scales (second
+weight tables), kernels/gemm_fp8.py's block math, bf16 L2 rows and combine.
+
 Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
 blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 from triton.language.extra.cuda import smid
 
-from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton,
-                      wait_at_least)
+from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, now_ns, peer_ptr,
+                      peer_ptrs, stalled, tl, triton, wait_at_least)
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors
+from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors, l2_epilogue
+from .gemm_fp8 import l1_fp8_block, l2_fp8_acc
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -78,6 +83,7 @@ def _locate(t, counts):
 def fused_kernel(
     table, rank0, NLOC,             # int64[R] buffers; this launch serves ranks rank0 .. +NLOC
     w13_table, w2_table,            # int64[NLOC] weight bases
+    w13s_table, w2s_table,          # FP8: int64[NLOC] scale_inv bases
     y_ptr, y_rank_stride, y_stride,  # bf16 [NLOC, T, H]
     trace_ptr,                      # int64 [tickets, 8] (TRACE only)
     max_spins, timeout_ns,
@@ -86,6 +92,7 @@ def fused_kernel(
     off_tickets, off_x, off_topk_idx, off_topk_weights, off_slot, off_pool_x, off_pool_src,
     off_pool_weight, off_pool_act, off_combine_y, off_combine_flag,
     T_MAX, H, I, E, R, E_LOC, P,
+    ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
@@ -94,6 +101,7 @@ def fused_kernel(
     BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
@@ -108,9 +116,15 @@ def fused_kernel(
         total = 0   # the layout step gave up: nothing of this call is valid
     counter = peer_ptr(table, rank0, off_tickets, tl.int32)
     if ONE_RANK:
-        w13_0 = tl.load(w13_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
-        w2_0 = tl.load(w2_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
-        if USE_TMA:   # one set of descriptors for the whole launch
+        if FP8:
+            w13_0 = aligned_ptr_from(w13_table, 0, tl.float8e4nv)
+            w2_0 = aligned_ptr_from(w2_table, 0, tl.float8e4nv)
+            w13s_0 = aligned_ptr_from(w13s_table, 0, tl.float32)
+            w2s_0 = aligned_ptr_from(w2s_table, 0, tl.float32)
+        else:
+            w13_0 = tl.load(w13_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+            w2_0 = tl.load(w2_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+        if USE_TMA and not FP8:   # one set of descriptors for the whole launch
             a1, wd1 = l1_descriptors(peer_ptr(table, rank_0, off_pool_x, tl.bfloat16), w13_0, P,
                                      H, I, E_LOC, BM, BN1, BK1)
             a2, wd2 = l2_descriptors(peer_ptr(table, rank_0, off_pool_act, tl.bfloat16), w2_0,
@@ -136,7 +150,7 @@ def fused_kernel(
             s, j = _locate(local, (src_tok + DT - 1) // DT)
             t0 = j * DT
             pull_tokens(table, rank, s, t0, tl.minimum(DT, _pick(src_tok, s) - t0), par64,
-                        T_MAX, H, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
+                        T_MAX, ROW_W, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
                         off_slot, off_src_row, off_pool_x, off_pool_src, off_pool_weight,
                         off_arrival, K, K_PAD, BH, TT, EAGER)
             phase = ticket * 0 + PHASE_DISPATCH
@@ -161,6 +175,14 @@ def fused_kernel(
             if ONE_RANK:
                 w13 = w13_0
                 w2 = w2_0
+                if FP8:
+                    w13_s = w13s_0
+                    w2_s = w2s_0
+            elif FP8:
+                w13 = aligned_ptr_from(w13_table, lr, tl.float8e4nv)
+                w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
+                w13_s = aligned_ptr_from(w13s_table, lr, tl.float32)
+                w2_s = aligned_ptr_from(w2s_table, lr, tl.float32)
             else:
                 w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
                 w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
@@ -181,19 +203,33 @@ def fused_kernel(
                                        SCOPE="gpu", USE_TIMER=USE_TIMER)
                     c0 += 1
                 if ok:
-                    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
-                    a_d = 0
-                    w_d = 0
-                    if USE_TMA:
-                        if ONE_RANK:
-                            a_d = a1
-                            w_d = wd1
-                        else:
-                            a_d, w_d = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN1, BK1)
-                    l1_block(mb, nb, meta, peer_ptr(table, rank, off_l1_done, tl.int32), pool_x,
-                             peer_ptr(table, rank, off_pool_weight, tl.float32),
-                             peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, a_d, w_d,
-                             H, I, BM, BN1, BK1, UPCAST, USE_TMA)
+                    if FP8:
+                        l1_fp8_block(mb, nb, meta >> 9, meta & 511,
+                                     aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
+                                     aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32),
+                                     w13, w13_s,
+                                     peer_ptr(table, rank, off_pool_weight, tl.float32),
+                                     aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
+                                     aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32),
+                                     H, I, XB, XB // 4, AB, AB // 4, BM, BN1, BK1, UPCAST)
+                        tl.debug_barrier()  # all rows stored before the count is released
+                        tl.atomic_add(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, 1,
+                                      sem="release", scope="gpu")
+                    else:
+                        pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
+                        a_d = 0
+                        w_d = 0
+                        if USE_TMA:
+                            if ONE_RANK:
+                                a_d = a1
+                                w_d = wd1
+                            else:
+                                a_d, w_d = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN1,
+                                                          BK1)
+                        l1_block(mb, nb, meta, peer_ptr(table, rank, off_l1_done, tl.int32),
+                                 pool_x, peer_ptr(table, rank, off_pool_weight, tl.float32),
+                                 peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, a_d,
+                                 w_d, H, I, BM, BN1, BK1, UPCAST, USE_TMA)
                 phase = ticket * 0 + PHASE_L1
             else:
                 in_l2 = in_wave - n_mb * NB1
@@ -204,19 +240,34 @@ def fused_kernel(
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
                                    USE_TIMER=USE_TIMER)
                 if ok:
-                    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
-                    a_d = 0
-                    w_d = 0
-                    if USE_TMA:
-                        if ONE_RANK:
-                            a_d = a2
-                            w_d = wd2
-                        else:
-                            a_d, w_d = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN2, BK2)
-                    l2_block(mb, nb, NB2, meta, table, peer_ptr(table, rank, off_l2_done, tl.int32),
-                             pool_act, peer_ptr(table, rank, off_pool_src, tl.int32), w2, a_d,
-                             w_d, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN2,
-                             BK2, UPCAST, USE_TMA, DONE_SCOPE)
+                    if FP8:
+                        acc = l2_fp8_acc(mb, nb, meta >> 9,
+                                         aligned_peer_ptr(table, rank, off_pool_act,
+                                                          tl.float8e4nv),
+                                         aligned_peer_ptr(table, rank, off_pool_act + I,
+                                                          tl.float32),
+                                         w2, w2_s, H, I, AB, AB // 4, BM, BN2, BK2)
+                        l2_epilogue(acc, mb, nb, NB2, meta & 511, table,
+                                    peer_ptr(table, rank, off_l2_done, tl.int32),
+                                    peer_ptr(table, rank, off_pool_src, tl.int32),
+                                    off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN2,
+                                    UPCAST, DONE_SCOPE)
+                    else:
+                        pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+                        a_d = 0
+                        w_d = 0
+                        if USE_TMA:
+                            if ONE_RANK:
+                                a_d = a2
+                                w_d = wd2
+                            else:
+                                a_d, w_d = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN2,
+                                                          BK2)
+                        l2_block(mb, nb, NB2, meta, table,
+                                 peer_ptr(table, rank, off_l2_done, tl.int32), pool_act,
+                                 peer_ptr(table, rank, off_pool_src, tl.int32), w2, a_d, w_d,
+                                 off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN2,
+                                 BK2, UPCAST, USE_TMA, DONE_SCOPE)
                 phase = ticket * 0 + PHASE_L2
             a = meta >> 9
             b = mb
