@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["compile_layer", "compile_fp8_gemms", "main"]
+__all__ = ["compile_layer", "compile_quant_gemms", "main"]
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
 
@@ -104,15 +104,18 @@ def _facts(compiled: dict) -> list[dict]:
     return out
 
 
-def compile_fp8_gemms(*, hidden: int = 7168, intermediate: int = 2048, block_m: int = 128,
-                      block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
-                      capability: int = 90) -> list[dict]:
-    """Compile the standalone fp8 GEMMs (moestream.fp8) for sm_90a through their launchers,
-    one dict per kernel (as ``compile_layer``); their MMAs show as QGMMA, not HGMMA."""
+def compile_quant_gemms(*, fmt: str = "fp8", hidden: int = 7168, intermediate: int = 2048,
+                        block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+                        num_stages: int = 3, capability: int = 90) -> list[dict]:
+    """Compile the standalone quantized GEMMs for sm_90a through their launchers, one dict per
+    kernel (as ``compile_layer``): ``fmt`` "fp8" (moestream.fp8) or "fp4w" (moestream.fp4,
+    MXFP4 weights). Their MMAs show as QGMMA, not HGMMA."""
     import torch
 
-    from .fp8 import l1_fp8, l2_fp8, pack_block_meta
-    fp8 = torch.float8_e4m3fn
+    from .fp8 import pack_block_meta
+    if fmt not in ("fp8", "fp4w"):
+        raise ValueError(f"fmt must be 'fp8' or 'fp4w', got {fmt!r}")
+    fp8, u8 = torch.float8_e4m3fn, torch.uint8
     compiled: dict[str, tuple] = {}
     with _compile_only(capability, compiled, [""]):
         H, I, E, P = hidden, intermediate, 1, 2 * block_m
@@ -120,13 +123,21 @@ def compile_fp8_gemms(*, hidden: int = 7168, intermediate: int = 2048, block_m: 
         kw = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         act = torch.empty(P, I, dtype=fp8)
         act_s = torch.empty(P, I // 128)
-        l1_fp8(pool_x_q=torch.empty(P, H, dtype=fp8), pool_x_scale=torch.empty(P, H // 128),
-               block_meta=meta, w13_q=torch.empty(E, 2 * I, H, dtype=fp8),
-               w13_scale_inv=torch.empty(E, 2 * I // 128, H // 128),
-               pool_weight=torch.empty(P), act_q=act, act_scale=act_s, **kw)
-        l2_fp8(act_q=act, act_scale=act_s, block_meta=meta,
-               w2_q=torch.empty(E, H, I, dtype=fp8),
-               w2_scale_inv=torch.empty(E, H // 128, I // 128), **kw)
+        l1_in = dict(pool_x_q=torch.empty(P, H, dtype=fp8), pool_x_scale=torch.empty(P, H // 128),
+                     block_meta=meta, pool_weight=torch.empty(P), act_q=act, act_scale=act_s)
+        l2_in = dict(act_q=act, act_scale=act_s, block_meta=meta)
+        if fmt == "fp8":
+            from .fp8 import l1_fp8, l2_fp8
+            l1_fp8(w13_q=torch.empty(E, 2 * I, H, dtype=fp8),
+                   w13_scale_inv=torch.empty(E, 2 * I // 128, H // 128), **l1_in, **kw)
+            l2_fp8(w2_q=torch.empty(E, H, I, dtype=fp8),
+                   w2_scale_inv=torch.empty(E, H // 128, I // 128), **l2_in, **kw)
+        else:
+            from .fp4 import l1_fp4w, l2_fp4w
+            l1_fp4w(w13_packed=torch.empty(E, 2 * I, H // 2, dtype=u8),
+                    w13_scale=torch.empty(E, 2 * I, H // 32, dtype=u8), **l1_in, **kw)
+            l2_fp4w(w2_packed=torch.empty(E, H, I // 2, dtype=u8),
+                    w2_scale=torch.empty(E, H, I // 32, dtype=u8), **l2_in, **kw)
     return _facts(compiled)
 
 
@@ -206,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--fp8", action="store_true",
                    help="the standalone fp8 GEMMs instead (dsv3 dims unless given below)")
+    p.add_argument("--fp4w", action="store_true",
+                   help="the standalone MXFP4-weight GEMMs instead (as --fp8)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--block-m", type=int, default=128)
@@ -213,10 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
     args = p.parse_args(argv)
-    if args.fp8:
-        rows = compile_fp8_gemms(hidden=args.hidden, intermediate=args.intermediate,
-                                 block_m=args.block_m, block_n=args.block_n,
-                                 num_warps=args.warps, num_stages=args.stages)
+    if args.fp8 or args.fp4w:
+        rows = compile_quant_gemms(fmt="fp4w" if args.fp4w else "fp8", hidden=args.hidden,
+                                   intermediate=args.intermediate, block_m=args.block_m,
+                                   block_n=args.block_n, num_warps=args.warps,
+                                   num_stages=args.stages)
     else:
         rows = compile_layer(shape=args.shape)
     for r in rows:

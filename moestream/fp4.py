@@ -18,7 +18,7 @@ from .kernels._common import INTERPRET
 from .kernels.gemm_fp4 import ACT_GROUP, MX_BLOCK, l1_fp4w_kernel, l2_fp4w_kernel
 from .quant import FP8_BLOCK, MXFP4_BLOCK
 
-__all__ = ["compile_fp4w_gemms", "l1_fp4w", "l2_fp4w", "pack_block_meta"]
+__all__ = ["l1_fp4w", "l2_fp4w", "pack_block_meta"]
 
 _FP8 = torch.float8_e4m3fn
 _U8 = torch.uint8
@@ -179,33 +179,6 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
             OUT_BF16=y.dtype == torch.bfloat16, FIX_ROUNDING=INTERPRET,
             **_launch_kw(num_warps, num_stages))
     return y
-
-
-def compile_fp4w_gemms(*, hidden: int = 7168, intermediate: int = 2048, block_m: int = 128,
-                       block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
-                       capability: int = 90) -> list[dict]:
-    """Compile both fp4w GEMMs for sm_90a through their launchers, without a GPU, one dict per
-    kernel as ``moestream.aot.compile_fp8_gemms`` (shared memory, registers, stack, MMA counts).
-    Needs TRITON_INTERPRET=0 set before triton/moestream are imported (a fresh process):
-
-        TRITON_INTERPRET=0 python -c "from moestream.fp4 import compile_fp4w_gemms as c; print(c())"
-    """
-    from .aot import _compile_only, _facts
-    compiled: dict[str, tuple] = {}
-    with _compile_only(capability, compiled, [""]):
-        H, I, E, P = hidden, intermediate, 1, 2 * block_m
-        meta = pack_block_meta([0, 0], [block_m, 1])
-        kw = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-        act = torch.empty(P, I, dtype=_FP8)
-        act_s = torch.empty(P, I // 128)
-        l1_fp4w(pool_x_q=torch.empty(P, H, dtype=_FP8), pool_x_scale=torch.empty(P, H // 128),
-                block_meta=meta, w13_packed=torch.empty(E, 2 * I, H // 2, dtype=_U8),
-                w13_scale=torch.empty(E, 2 * I, H // 32, dtype=_U8),
-                pool_weight=torch.empty(P), act_q=act, act_scale=act_s, **kw)
-        l2_fp4w(act_q=act, act_scale=act_s, block_meta=meta,
-                w2_packed=torch.empty(E, H, I // 2, dtype=_U8),
-                w2_scale=torch.empty(E, H, I // 32, dtype=_U8), **kw)
-    return _facts(compiled)
 
 
 # the kernels' blocking is moestream.quant's format

@@ -418,9 +418,9 @@ def test_l2_rejects_bad_inputs(over, match):
 
 _COMPILE = """
 import json, sys
-from moestream.fp4 import compile_fp4w_gemms
+from moestream.aot import compile_quant_gemms
 for bm, warps, stages in json.loads(sys.argv[1]):
-    for r in compile_fp4w_gemms(block_m=bm, block_n=128, num_warps=warps, num_stages=stages):
+    for r in compile_quant_gemms(fmt="fp4w", block_m=bm, block_n=128, num_warps=warps, num_stages=stages):
         print(json.dumps(dict(r, block_m=bm)))
 """
 
@@ -449,3 +449,9 @@ def test_compiles_for_sm90_with_fp8_warpgroup_mma():
         assert r["hgmma"] == 0 and r["hmma"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
     assert by[("l2_fp4w_kernel", 64)]["stack_bytes"] == 0, by[("l2_fp4w_kernel", 64)]
+
+
+def test_compile_quant_gemms_names_the_formats():
+    from moestream.aot import compile_quant_gemms
+    with pytest.raises(ValueError, match="fmt must be 'fp8' or 'fp4w'"):
+        compile_quant_gemms(fmt="fp4")

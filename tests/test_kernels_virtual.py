@@ -256,6 +256,11 @@ def test_bad_granularity_names_what_is_allowed(gen):
         mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="staged", granularity=16)
     with pytest.raises(ValueError, match="dispatch_tile"):
         stages.Tuning(dispatch_tile=3)
+    with pytest.raises(ValueError, match="l2_signal must be 'rank' or 'rows'"):
+        stages.Tuning(l2_signal="tile")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="l2_group_m must be an int >= 1"):
+            stages.Tuning(l2_group_m=bad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -159,6 +159,21 @@ def _worker_many_calls(rank, world, seed, calls):
     return dict(rank=rank, worst=worst, nan_calls=nan_calls)
 
 
+def _capture(fn):
+    """(graph, output) of ``fn`` captured on a side stream after one warm-up call (which
+    compiles the kernels and caches the weight tables)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            y = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph, y
+
+
 def _worker_graph(rank, world, seed):
     import torch.distributed as dist
     from moestream import SymmBuffer, mega_moe
@@ -170,15 +185,7 @@ def _worker_graph(rank, world, seed):
     x, idx, w, w13s, w2s = _inputs(cfg, world, rank, T, seed)
     w13, w2 = w13s[rank].to(dev), w2s[rank].to(dev)
     sx, sidx, sw = x.to(dev), idx.to(dev), w.to(dev)
-    mega_moe(sx, sidx, sw, w13, w2, buf)          # warm-up: compiles, caches weight tables
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph, stream=s):
-            y = mega_moe(sx, sidx, sw, w13, w2, buf)
-    torch.cuda.current_stream().wait_stream(s)
+    graph, y = _capture(lambda: mega_moe(sx, sidx, sw, w13, w2, buf))
     errs = []
     for replay in range(5):
         x2, idx2, w2_, _, _ = _inputs(cfg, world, rank, T, seed + 100 + replay)
@@ -298,15 +305,7 @@ def _worker_fp8(rank, world, seed):
     w13, w2 = (w13q[rank][0].to(dev), w13q[rank][1].to(dev)), (w2q[rank][0].to(dev),
                                                                w2q[rank][1].to(dev))
     sx, sidx, sw = x.to(dev), idx.to(dev), w.to(dev)
-    mega_moe(sx, sidx, sw, w13, w2, buf)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph, stream=s):
-            y = mega_moe(sx, sidx, sw, w13, w2, buf)
-    torch.cuda.current_stream().wait_stream(s)
+    graph, y = _capture(lambda: mega_moe(sx, sidx, sw, w13, w2, buf))
     for replay in range(3):
         x2, idx2, w2_, _, _ = _inputs(cfg, world, rank, T, seed + 100 + replay)
         sx.copy_(x2)

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 from triton.language.extra.cuda import smid
 
-from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, now_ns, peer_ptr,
-                      peer_ptrs, stalled, tl, triton, wait_at_least)
+from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import l1_block, l1_descriptors, l2_block, l2_descriptors, l2_epilogue
-from .gemm_fp8 import l1_fp8_block, l2_fp8_acc
+from .gemm import (expert_weights, l1_block, l1_descriptors, l1_fp8_pool_block, l2_block,
+                   l2_descriptors, l2_fp8_pool_block)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -116,14 +115,8 @@ def fused_kernel(
         total = 0   # the layout step gave up: nothing of this call is valid
     counter = peer_ptr(table, rank0, off_tickets, tl.int32)
     if ONE_RANK:
-        if FP8:
-            w13_0 = aligned_ptr_from(w13_table, 0, tl.float8e4nv)
-            w2_0 = aligned_ptr_from(w2_table, 0, tl.float8e4nv)
-            w13s_0 = aligned_ptr_from(w13s_table, 0, tl.float32)
-            w2s_0 = aligned_ptr_from(w2s_table, 0, tl.float32)
-        else:
-            w13_0 = tl.load(w13_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
-            w2_0 = tl.load(w2_table).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+        w13_0, w13s_0 = expert_weights(w13_table, w13s_table, 0, FP8)
+        w2_0, w2s_0 = expert_weights(w2_table, w2s_table, 0, FP8)
         if USE_TMA and not FP8:   # one set of descriptors for the whole launch
             a1, wd1 = l1_descriptors(peer_ptr(table, rank_0, off_pool_x, tl.bfloat16), w13_0, P,
                                      H, I, E_LOC, BM, BN1, BK1)
@@ -173,19 +166,10 @@ def fused_kernel(
             in_wave = local - w0 * (NB1 + NB2)
             block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
             if ONE_RANK:
-                w13 = w13_0
-                w2 = w2_0
-                if FP8:
-                    w13_s = w13s_0
-                    w2_s = w2s_0
-            elif FP8:
-                w13 = aligned_ptr_from(w13_table, lr, tl.float8e4nv)
-                w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
-                w13_s = aligned_ptr_from(w13s_table, lr, tl.float32)
-                w2_s = aligned_ptr_from(w2s_table, lr, tl.float32)
+                w13, w13_s, w2, w2_s = w13_0, w13s_0, w2_0, w2s_0
             else:
-                w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
-                w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+                w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
+                w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
             if in_wave < n_mb * NB1:
                 mb = w0 + in_wave // NB1
                 nb = in_wave % NB1
@@ -204,17 +188,10 @@ def fused_kernel(
                     c0 += 1
                 if ok:
                     if FP8:
-                        l1_fp8_block(mb, nb, meta >> 9, meta & 511,
-                                     aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
-                                     aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32),
-                                     w13, w13_s,
-                                     peer_ptr(table, rank, off_pool_weight, tl.float32),
-                                     aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
-                                     aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32),
-                                     H, I, XB, XB // 4, AB, AB // 4, BM, BN1, BK1, UPCAST)
-                        tl.debug_barrier()  # all rows stored before the count is released
-                        tl.atomic_add(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, 1,
-                                      sem="release", scope="gpu")
+                        l1_fp8_pool_block(mb, nb, meta, table, rank,
+                                          peer_ptr(table, rank, off_l1_done, tl.int32),
+                                          off_pool_x, off_pool_weight, off_pool_act, w13, w13_s,
+                                          H, I, XB, AB, BM, BN1, BK1, UPCAST)
                     else:
                         pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
                         a_d = 0
@@ -241,17 +218,12 @@ def fused_kernel(
                                    USE_TIMER=USE_TIMER)
                 if ok:
                     if FP8:
-                        acc = l2_fp8_acc(mb, nb, meta >> 9,
-                                         aligned_peer_ptr(table, rank, off_pool_act,
-                                                          tl.float8e4nv),
-                                         aligned_peer_ptr(table, rank, off_pool_act + I,
-                                                          tl.float32),
-                                         w2, w2_s, H, I, AB, AB // 4, BM, BN2, BK2)
-                        l2_epilogue(acc, mb, nb, NB2, meta & 511, table,
-                                    peer_ptr(table, rank, off_l2_done, tl.int32),
-                                    peer_ptr(table, rank, off_pool_src, tl.int32),
-                                    off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN2,
-                                    UPCAST, DONE_SCOPE)
+                        l2_fp8_pool_block(mb, nb, NB2, meta, table, rank,
+                                          peer_ptr(table, rank, off_l2_done, tl.int32),
+                                          peer_ptr(table, rank, off_pool_src, tl.int32),
+                                          off_pool_act, off_combine_y, off_combine_flag, w2,
+                                          w2_s, H, I, AB, T_MAX, R, K, BM, BN2, BK2, UPCAST,
+                                          DONE_SCOPE)
                     else:
                         pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
                         a_d = 0

@@ -118,6 +118,51 @@ def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_des
 
 
 @triton.jit
+def expert_weights(w_table, s_table, index, FP8: tl.constexpr):
+    """(values, scale_inv) pointers of local rank ``index``'s experts: e4m3 values and fp32
+    block scales (FP8; torch allocations, 16-byte aligned), or bf16 values (the second pointer
+    is the first, unused)."""
+    if FP8:
+        w = aligned_ptr_from(w_table, index, tl.float8e4nv)
+        s = aligned_ptr_from(s_table, index, tl.float32)
+    else:
+        w = tl.load(w_table + index).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+        s = w
+    return w, s
+
+
+@triton.jit
+def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
+                      off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
+    bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``."""
+    l1_fp8_block(mb, nb, meta >> 9, meta & 511,
+                 aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
+                 aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32), w13, w13_s,
+                 peer_ptr(table, rank, off_pool_weight, tl.float32),
+                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
+                 aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), H, I,
+                 XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
+    tl.debug_barrier()  # all rows stored before the count is released
+    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
+                      off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
+                      K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                      SIGNAL_ROWS: tl.constexpr = True):
+    """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``)."""
+    acc = l2_fp8_acc(mb, nb, meta >> 9, aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
+                     aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), w2, w2_s,
+                     H, I, AB, AB // 4, BM, BN, BK)
+    l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
+                off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS)
+
+
+@triton.jit
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
     w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
@@ -132,11 +177,7 @@ def l1_kernel(
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    if FP8:
-        w13 = aligned_ptr_from(w13_table, lr, tl.float8e4nv)
-        w13_s = aligned_ptr_from(w13s_table, lr, tl.float32)
-    else:
-        w13 = tl.load(w13_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     arrival = peer_ptr(table, rank, off_arrival, tl.int32)
@@ -161,15 +202,9 @@ def l1_kernel(
                                USE_TIMER=USE_TIMER)
         if ok:
             if FP8:
-                l1_fp8_block(ticket // NB, ticket % NB, meta >> 9, meta & 511,
-                             aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
-                             aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32), w13,
-                             w13_s, pool_w, aligned_peer_ptr(table, rank, off_pool_act,
-                                                             tl.float8e4nv),
-                             aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), H, I,
-                             XB, XB // 4, AB, AB // 4, BM, BN, BK, UPCAST)
-                tl.debug_barrier()  # all rows stored before the count is released
-                tl.atomic_add(l1_done + ticket // NB, 1, sem="release", scope="gpu")
+                l1_fp8_pool_block(ticket // NB, ticket % NB, meta, table, rank, l1_done,
+                                  off_pool_x, off_pool_weight, off_pool_act, w13, w13_s, H, I,
+                                  XB, AB, BM, BN, BK, UPCAST)
             else:
                 l1_block(ticket // NB, ticket % NB, meta, l1_done, pool_x, pool_w, pool_act,
                          w13, a_desc, w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
@@ -267,11 +302,7 @@ def l2_kernel(
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
     on every rank (system scope); the staged combine waits for R there."""
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    if FP8:
-        w2 = aligned_ptr_from(w2_table, lr, tl.float8e4nv)
-        w2_s = aligned_ptr_from(w2s_table, lr, tl.float32)
-    else:
-        w2 = tl.load(w2_table + lr).to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
@@ -298,14 +329,10 @@ def l2_kernel(
                                USE_TIMER=USE_TIMER)
         if ok:
             if FP8:
-                acc = l2_fp8_acc(mb, nb, meta >> 9,
-                                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
-                                 aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32),
-                                 w2, w2_s,
-                                 H, I, AB, AB // 4, BM, BN, BK)
-                l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done,
-                            pool_src, off_combine_y, off_combine_flag, H, T_MAX, R, K, BM, BN,
-                            UPCAST, DONE_SCOPE, not RANK_SIGNAL)
+                l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src,
+                                  off_pool_act, off_combine_y, off_combine_flag, w2, w2_s, H, I,
+                                  AB, T_MAX, R, K, BM, BN, BK, UPCAST, DONE_SCOPE,
+                                  not RANK_SIGNAL)
             else:
                 l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
                          w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,

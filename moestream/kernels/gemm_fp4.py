@@ -49,7 +49,7 @@ row blocks).
 from __future__ import annotations
 
 from ._common import tl, to_bf16, triton
-from .gemm_fp8 import quant_rows_128
+from .gemm_fp8 import l1_fp8_epilogue
 
 ACT_GROUP = tl.constexpr(128)   # K elements per activation scale: the K step
 MX_BLOCK = tl.constexpr(32)     # K elements per E8M0 weight scale: one dot
@@ -138,14 +138,8 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
             a_ptrs += MX_BLOCK
             wg_ptrs += MX_BLOCK // 2
             wu_ptrs += MX_BLOCK // 2
-    rv = tl.arange(0, BM) < vm
-    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
-    q, scale = quant_rows_128(act, FIX_ROUNDING)
-    tl.store(act_q + rows[:, None] * A_STRIDE + n[None, :], q, mask=rv[:, None])
-    G: tl.constexpr = BN // 128
-    groups = nb * G + tl.arange(0, G)
-    tl.store(act_scale + rows[:, None] * AS_STRIDE + groups[None, :], scale, mask=rv[:, None])
+    l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
+                    BM, BN, FIX_ROUNDING)
 
 
 @triton.jit

@@ -117,6 +117,17 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
+    l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
+                    BM, BN, FIX_ROUNDING)
+
+
+@triton.jit
+def l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
+                    BM: tl.constexpr, BN: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """An L1 block's fp32 gate/up tiles [BM, BN] -> silu(gate) * up * topk weight, quantized
+    per row per 128 columns into act_q / act_scale (rows past vm are not stored)."""
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    n = nb * BN + tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
