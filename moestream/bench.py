@@ -65,8 +65,13 @@ def _percentile(sorted_vals: Sequence[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
+# GPU clock cycles of time_cuda's queue_ahead sleep: ~20 ms at Hopper's ~1.98 GHz, longer than
+# the host needs to enqueue 20-100 launches
+QUEUE_AHEAD_CYCLES = 40_000_000
+
+
 def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
-              rotate: list | None = None) -> dict[str, Any]:
+              rotate: list | None = None, queue_ahead: bool = False) -> dict[str, Any]:
     """Time ``fn`` per call: median and 20th/80th percentiles in microseconds.
 
     With CUDA, each call is bracketed by CUDA events on the current stream and the host
@@ -80,6 +85,11 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
         warmup: untimed calls first (>= 0).
         reps: timed calls (>= 1; BENCHMARKS.md asks for >= 20).
         rotate: optional non-empty list of inputs.
+        queue_ahead: (CUDA) hold the stream in a ~20 ms sleep kernel while the host enqueues
+            the timed calls, so each call starts when the previous one ends and its events
+            measure GPU time only; without it a call shorter than its host launch work (tens
+            of µs of Python per launch) is timed with the host's gap. Kernel benchmarks use
+            it; end-to-end ones leave it off, since users pay the host time.
 
     Returns:
         dict with median_us, p20_us, p80_us, reps, clock ("cuda_events" or "perf_counter").
@@ -103,6 +113,8 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         torch.cuda.synchronize()
+        if queue_ahead:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         for i in range(reps):
             starts[i].record()
             call(warmup + i)

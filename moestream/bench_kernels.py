@@ -41,20 +41,36 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
         **{"use_tma": True, "wait": False, **kw}))
 
 
-# Variants of the sweep recorded in benchmarks/NOTES.md (earlier sweeps there too).
+# Variants of the sweeps recorded in benchmarks/NOTES.md (earlier sweeps there too).
+_BF16 = replace(stages.Tuning.hopper(128), use_tma=True)
+_FP8 = stages.Tuning.hopper(128, "fp8")
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
-    _v("layer-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
+    GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper(128): L2 128x128 4w3s, flat, 1/4
+    # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
+    _v("s4-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
+    # ... with 264 programs (2 per SM of an H200), the grid before session 5: L1 (one program
+    # per SM fits) then runs as two passes (stages._programs)
+    _v("s4-default-p264", 128, (128, 64, 8, 4), (64, 64, 4, 4), programs=264),
     _v("l1w8s3", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
     _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    _v("l2n128w8s4", 128, (128, 64, 8, 4), (128, 64, 8, 4)),
     _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
+    GemmVariant("l2-split2", 128, replace(_BF16, l2_epilogue_split=2)),
+    GemmVariant("l2-noflat", 128, replace(_BF16, l2_flat=False)),
+    GemmVariant("l2-split1", 128, replace(_BF16, l2_epilogue_split=1)),
+    GemmVariant("l1-flat", 128, replace(_BF16, l1_flat=True)),
+    GemmVariant("l1n64w4s3", 128, replace(_BF16, l1_block_n=64, l1_warps=4, l1_stages=3)),
     # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
-    GemmVariant("fp8", 128, stages.Tuning.hopper(128, "fp8"), "fp8"),
-    GemmVariant("fp8-l2n64", 128, replace(stages.Tuning.hopper(128, "fp8"), l2_block_n=64,
-                                          l2_warps=4, l2_stages=4), "fp8"),
-    GemmVariant("fp8-s4", 128, replace(stages.Tuning.hopper(128, "fp8"), l1_stages=4,
-                                       l2_stages=4), "fp8"),
-    GemmVariant("fp8-m64", 64, replace(stages.Tuning.hopper(128, "fp8"), l1_stages=4,
-                                       l2_stages=4), "fp8"),
+    GemmVariant("fp8", 128, _FP8, "fp8"),
+    GemmVariant("fp8-split1", 128, replace(_FP8, l2_epilogue_split=1), "fp8"),
+    GemmVariant("fp8-split4", 128, replace(_FP8, l2_epilogue_split=4), "fp8"),
+    GemmVariant("fp8-p264", 128, replace(_FP8, l2_epilogue_split=1, programs=264), "fp8"),
+    GemmVariant("fp8-l2n64", 128, replace(_FP8, l2_block_n=64, l2_warps=4, l2_stages=4), "fp8"),
+    GemmVariant("fp8-l2n64-flat", 128, replace(_FP8, l2_block_n=64, l2_warps=4, l2_stages=4,
+                                               l2_flat=True), "fp8"),
+    GemmVariant("fp8-s4", 128, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
+    GemmVariant("fp8-flat", 128, replace(_FP8, l1_flat=True, l2_flat=True), "fp8"),
+    GemmVariant("fp8-m64", 64, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
 ]}
 
 
@@ -182,10 +198,10 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                 if w8 is None:
                     w8 = quantize_weights(w13s, w2s)
                 l1 = time_cuda(lambda: stages.l1(buf, w8[0], tuning=v.tuning), warmup=warmup,
-                               reps=reps)
+                               reps=reps, queue_ahead=True)
                 err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
                 l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=v.tuning), warmup=warmup,
-                               reps=reps)
+                               reps=reps, queue_ahead=True)
                 for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
                                                ("l2", l2, l2_flops, l2_bytes // 2)):
                     rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
@@ -201,9 +217,11 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                 pool = buf.view("pool_x", d)
                 packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
                                          for e in range(experts_per_rank)]))
-            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=v.tuning), warmup=warmup, reps=reps)
+            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=v.tuning), warmup=warmup, reps=reps,
+                           queue_ahead=True)
             err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
-            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps)
+            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps,
+                           queue_ahead=True)
             for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):
                 rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
                                  l1_rel_error=err))
@@ -226,7 +244,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
 
         for kernel, fn, flops, byts in (("l1", torch_l1, l1_flops, l1_bytes),
                                         ("l2", torch_l2, l2_flops, l2_bytes)):
-            t = time_cuda(fn, warmup=warmup, reps=reps)
+            t = time_cuda(fn, warmup=warmup, reps=reps, queue_ahead=True)
             rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts))
         packed = acts = None
         torch.cuda.empty_cache()

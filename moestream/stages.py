@@ -60,6 +60,16 @@ class Tuning:
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
     dispatch_eager: fused dispatch tiles load picks, slots, weights and the first row chunk
         at once (fewer peer round trips in a row; also reads rows with no pick here).
+    l1_flat, l2_flat: the staged GEMM's persistent loop over tiles and its K loop as one flat
+        loop (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next
+        tile's first K steps during this tile's epilogue. Only without waits (GPU staged
+        path) and, for L2, with l2_signal "rank" (Triton 3.6's loop flattening crashes on the
+        per-tile signal); otherwise the plain loop runs. L2: 5-15 % faster with 128x128
+        tiles; L1: 3x slower (benchmarks/NOTES.md, session 5), so off there.
+    l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
+        column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
+        SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
+        fused launch stores whole tiles.
     l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
         1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
@@ -99,20 +109,26 @@ class Tuning:
     dispatch_eager: bool = False
     l2_group_m: int = 1
     l2_signal: str = "rank"
+    l1_flat: bool = False
+    l2_flat: bool = False
+    l2_epilogue_split: int = 1
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
-        """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200
-        (block_m 128: L1 128x128x64, 8 warps, 4 stages; L2 128x64x64, 4 warps), no waits
-        (the staged path's stream order already completes every producer). fp8: 128-wide
-        L1 and L2 blocks (K steps of 128, one scale block each), 8 warps, L1 3 stages, L2
-        4 (the GEMM sweep of benchmarks/NOTES.md, session 4)."""
+        """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200, no waits
+        (the staged path's stream order already completes every producer).
+        block_m 128: L1 128x128x64, 8 warps, 4 stages (one program per SM); L2 128x128x64,
+        4 warps, 3 stages, a flat loop and the epilogue in four quarters, so two programs
+        share an SM and one's epilogue overlaps the other's main loop (session 5).
+        fp8: 128-wide L1 and L2 blocks (K steps of 128, one scale block each), 8 warps, L1 3
+        stages, L2 4 (session 4) with the epilogue in two halves (session 5)."""
         if dtype == "fp8":
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=4, l1_block_n=128,
-                       l2_block_n=128, wait=False)
+                       l2_block_n=128, l2_epilogue_split=2, wait=False)
         if block_m >= 128:
-            return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
-                       l1_block_k=64, l2_block_n=64, l2_block_k=64, wait=False)
+            return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=3, l1_block_n=128,
+                       l1_block_k=64, l2_block_n=128, l2_block_k=64, l2_flat=True,
+                       l2_epilogue_split=4, wait=False)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                    l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
 
@@ -167,6 +183,12 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a power of two, got {v!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
+        for name in ("l1_flat", "l2_flat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+        if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
+            raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
+                             f"{self.l2_epilogue_split!r}")
 
     def with_granularity(self, granularity: "int | str", block_m: int) -> "Tuning":
         """This tuning in a streaming mode of the fused launch (see ``mega_moe``):
@@ -269,12 +291,51 @@ def _ensure_allocator(use_tma: bool) -> None:
             triton.set_allocator(_tma_allocator)
 
 
-def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int) -> int:
+# (kernel, constexprs and launch options, device) -> programs of it one SM holds at once
+_RESIDENT: dict = {}
+
+
+def resident_per_sm(*, registers: int, shared_bytes: int, warps: int, sm_registers: int = 65536,
+                    sm_shared_bytes: int = 233472, sm_threads: int = 2048,
+                    block_reserved_bytes: int = 1024, max_blocks: int = 32) -> int:
+    """Programs (thread blocks) of a compiled kernel that one SM runs at once: the least of what
+    its registers (allocated per warp in units of 256), shared memory (plus the 1 KB the
+    hardware reserves per block) and threads allow. Defaults: Hopper (sm_90)."""
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = sm_registers // max(regs_per_warp * warps, 1)
+    by_shared = sm_shared_bytes // (shared_bytes + block_reserved_bytes)
+    by_threads = sm_threads // (32 * warps)
+    return max(0, min(by_regs, by_shared, by_threads, max_blocks))
+
+
+def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int, kernel=None, args=(),
+              kw=None) -> int:
+    """Persistent programs per local rank: ``tuning.programs``, else ``per_sm`` per SM, capped
+    at what one SM holds of the compiled ``kernel`` at once. Programs beyond that would wait
+    for a whole earlier program to end and then walk their tickets in a second pass, which
+    splits the tiles that share an expert's weights in the L2 cache into two far-apart passes
+    (fp8 L2: 1.46x slower, benchmarks/NOTES.md, session 5)."""
     if tuning.programs:
         return tuning.programs
-    sms = _constants(buffer).sms
-    # the interpreter runs programs one after another: 2 still walks the persistent loops
-    return sms * per_sm if sms else 2
+    c = _constants(buffer)
+    if not c.sms:
+        # the interpreter runs programs one after another: 2 still walks the persistent loops
+        return 2
+    if kernel is not None and not INTERPRET:
+        key = (kernel, tuple(sorted((kw or {}).items())), buffer.device.index)
+        fit = _RESIDENT.get(key)
+        if fit is None:
+            compiled = kernel.warmup(*args, grid=(1,), **(kw or {}))
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(buffer.device)
+            fit = resident_per_sm(registers=compiled.n_regs, shared_bytes=compiled.metadata.shared,
+                                  warps=compiled.metadata.num_warps,
+                                  sm_registers=props.regs_per_multiprocessor,
+                                  sm_shared_bytes=props.shared_memory_per_multiprocessor,
+                                  sm_threads=props.max_threads_per_multi_processor)
+            _RESIDENT[key] = fit = max(fit, 1)
+        per_sm = min(per_sm, fit)
+    return c.sms * per_sm
 
 
 def _launch_kw(warps: int, stages: int | None = None) -> dict:
@@ -363,16 +424,17 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     fp8 = cfg.dtype == "fp8"
     tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
-    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
-    _gemm.l1_kernel[grid](
-        buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
-        buffer.timeout_ns,
-        off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
-        off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-        off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
-        cfg.act_bytes, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
-        WAIT=tuning.wait, USE_TIMER=not INTERPRET, FP8=fp8,
-        **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
+            buffer.timeout_ns,
+            off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
+            off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
+            off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
+            cfg.act_bytes)
+    kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
+              USE_TIMER=not INTERPRET, FP8=fp8, FLAT=tuning.l1_flat and not tuning.wait,
+              **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+    grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
+    _gemm.l1_kernel[grid](*args, **kw)
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
@@ -384,20 +446,22 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     fp8 = cfg.dtype == "fp8"
     tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
-    grid = (_programs(buffer, tuning, 2), buffer.local_ranks)
-    _gemm.l2_kernel[grid](
-        buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
-        buffer.timeout_ns,
-        off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
-        off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
-        off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
-        off["off_l2_ranks_done"],
-        cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
-        cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes,
-        K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
-        WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
-        GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
-        **_launch_kw(tuning.l2_warps, tuning.l2_stages))
+    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
+            buffer.timeout_ns,
+            off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
+            off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
+            off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
+            off["off_l2_ranks_done"],
+            cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
+            cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes)
+    kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
+              WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
+              GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
+              FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank",
+              EPI_SPLIT=tuning.l2_epilogue_split,
+              **_launch_kw(tuning.l2_warps, tuning.l2_stages))
+    grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)
+    _gemm.l2_kernel[grid](*args, **kw)
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:

@@ -183,6 +183,22 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
         check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(Ts))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    stages.Tuning(l2_block_n=128, l2_epilogue_split=2),             # the GPU default's epilogue
+    stages.Tuning(l2_block_n=128, l2_epilogue_split=4, l2_flat=True, l1_flat=True,
+                  wait=False, programs=3),                          # quarters, flat loops
+], ids=["split2", "split4-flat"])
+def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
+    # the L2 tile stored in column pieces (and the flat tile loops) writes the same slots
+    cfg = fp8_config(num_experts=6)
+    buf = SymmBuffer(cfg, num_ranks=2, device=device)
+    poison(buf)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, [19, 7], gen, device, drop=0.1)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+
+
 def test_fp8_is_close_to_the_bf16_layer(gen):
     # what quantization costs against the unquantized reference (docs/quantization.md: ~6e-2
     # on random data); a scale applied twice or not at all would be far outside

@@ -261,6 +261,11 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="l2_group_m must be an int >= 1"):
             stages.Tuning(l2_group_m=bad)
+    for bad in (0, 3, 8, True, 2.0):
+        with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
+            stages.Tuning(l2_epilogue_split=bad)
+    with pytest.raises(ValueError, match="l2_flat must be a bool"):
+        stages.Tuning(l2_flat=1)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -417,8 +422,16 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(l2_group_m=3, l2_block_n=32, programs=3),           # groups of 3 m-blocks,
                                                                       # the last one partial
     stages.Tuning(l2_signal="rows", wait=False),                      # per-row combine flags
+    stages.Tuning(wait=False, l1_flat=True, l2_flat=True, programs=3),  # flat (tile, k) loops
+    stages.Tuning(l2_epilogue_split=2, l2_block_n=64),                # L2 stores in two halves
+    stages.Tuning(l2_epilogue_split=4, l2_block_n=128, use_tma=True),  # ... in four quarters
+    stages.Tuning(wait=False, l2_flat=True, l2_epilogue_split=2, l2_group_m=2,
+                  use_tma=True),                                      # all three at once
+    stages.Tuning(wait=False, l2_flat=True, l2_signal="rows"),        # flat falls back to the
+                                                                      # plain loop with rows
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
-        "row-signal"])
+        "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
+        "flat-rows"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]

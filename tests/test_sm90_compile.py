@@ -74,3 +74,34 @@ def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
         assert 2 * 32768 < row["shared_bytes"] <= SM90_SHARED_LIMIT, row
     assert compiled_fp8["l1_kernel"]["stack_bytes"] <= 64, compiled_fp8["l1_kernel"]
     assert compiled_fp8["l2_kernel"]["stack_bytes"] == 0, compiled_fp8["l2_kernel"]
+
+
+def test_resident_programs_of_the_staged_gemms(compiled, compiled_fp8):
+    """The staged GEMM grids are sized by what one SM holds at once (stages._programs):
+    the fp8 L1 / L2 (128-147 KB of shared memory) and the bf16 L1 (196 KB) run one program
+    per SM, the bf16 L2 (98 KB, 4 warps) two. A grid twice the SM count for a kernel one SM
+    holds once runs as two passes one after another (benchmarks/NOTES.md, session 5)."""
+    from moestream.stages import resident_per_sm
+
+    def fit(row):
+        return resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
+                               warps=row["num_warps"])
+
+    assert fit(compiled["l1_kernel"]) == 1, compiled["l1_kernel"]
+    assert fit(compiled["l2_kernel"]) == 2, compiled["l2_kernel"]
+    assert fit(compiled_fp8["l1_kernel"]) == 1, compiled_fp8["l1_kernel"]
+    assert fit(compiled_fp8["l2_kernel"]) == 1, compiled_fp8["l2_kernel"]
+
+
+@pytest.mark.parametrize("regs,shared,warps,want", [
+    (255, 0, 8, 1),          # 255 -> 256 registers x 256 threads: the whole register file
+    (128, 0, 8, 2),          # 128 x 256 = 32768 registers: two blocks
+    (129, 0, 8, 1),          # rounded up to 136 per thread: 69632 > 65536 for two
+    (32, 0, 4, 16),          # threads (2048 per SM) bound it: 16 blocks of 128
+    (32, 115712, 4, 2),      # 113 KB + 1 KB reserved, twice: 233472 bytes exactly
+    (32, 115713, 4, 1),      # one byte more does not fit twice
+    (16, 0, 1, 32),          # the block limit
+])
+def test_resident_per_sm_limits(regs, shared, warps, want):
+    from moestream.stages import resident_per_sm
+    assert resident_per_sm(registers=regs, shared_bytes=shared, warps=warps) == want

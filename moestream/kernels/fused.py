@@ -90,7 +90,7 @@ def fused_kernel(
     off_block_meta, off_wave_mb, off_num_waves, off_arrival, off_l1_done, off_l2_done,
     off_tickets, off_x, off_topk_idx, off_topk_weights, off_slot, off_pool_x, off_pool_src,
     off_pool_weight, off_pool_act, off_combine_y, off_combine_flag,
-    T_MAX, H, I, E, R, E_LOC, P,
+    T_MAX, H, I, E, R: tl.constexpr, E_LOC, P,   # R constexpr: L2 stores unrolled per rank
     ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,

@@ -153,13 +153,14 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
-                      SIGNAL_ROWS: tl.constexpr = True):
+                      SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``)."""
     acc = l2_fp8_acc(mb, nb, meta >> 9, aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
                      aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), w2, w2_s,
                      H, I, AB, AB // 4, BM, BN, BK)
     l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
-                off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS)
+                off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS,
+                EPI_SPLIT)
 
 
 @triton.jit
@@ -172,7 +173,7 @@ def l1_kernel(
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
@@ -193,6 +194,17 @@ def l1_kernel(
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
+    if FLAT:   # no waits: one flat loop over (block, k step), as l2_kernel's
+        for t in tl.range(pid, total, nprog, flatten=True):
+            meta = tl.load(block_meta + t // NB)
+            if FP8:
+                l1_fp8_pool_block(t // NB, t % NB, meta, table, rank, l1_done, off_pool_x,
+                                  off_pool_weight, off_pool_act, w13, w13_s, H, I, XB, AB, BM,
+                                  BN, BK, UPCAST)
+            else:
+                l1_block(t // NB, t % NB, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
+                         w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
+        ticket = total
     meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
         meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
@@ -217,7 +229,7 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
              off_combine_y, off_combine_flag, H, I, T_MAX, R,
              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
-             SIGNAL_ROWS: tl.constexpr = True):
+             SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
     """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
     that completes an m-block (of NB column blocks) releases its rows' combine flags."""
     e = meta >> 9
@@ -243,31 +255,57 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
         a_ptrs += BK
         w_ptrs += BK
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
-                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS)
+                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+
+
+@triton.jit
+def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
+                    FIX_ROUNDING: tl.constexpr):
+    """fp32 ``tile`` [BM, W] -> bf16 columns col0 .. col0+W-1 of the combine slots ``tk``
+    (token * K + k) on ranks ``src``, rows where ``rv``. One masked store per source rank:
+    element offsets from one base pointer fit int32 (T_MAX * K * H < 2**31, checked by the
+    config), where a pointer per element would hold 64 bits of address for every value."""
+    out = to_bf16(tile, FIX_ROUNDING)
+    offs = tk[:, None] * H + col0 + tl.arange(0, tile.shape[1])[None, :]
+    # R constexpr (l2_kernel, fused_kernel): unrolled, so a flat (tile, k) loop around the
+    # caller has no third loop level for Triton's loop flattening to give up on
+    for s in tl.static_range(R):
+        tl.store(peer_ptr(table, s, off_combine_y, tl.bfloat16) + offs, out,
+                 mask=(rv & (src == s))[:, None])
 
 
 @triton.jit
 def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
-                SIGNAL_ROWS: tl.constexpr = True):
+                SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
     """An L2 block's fp32 tile ``acc`` [BM, BN] (rows of m_block, columns of n_block) into
     its tokens' combine slots as bf16; with SIGNAL_ROWS, the block that completes an m-block
-    (of NB column blocks) releases its rows' combine flags (without: the caller signals)."""
+    (of NB column blocks) releases its rows' combine flags (without: the caller signals).
+    EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers)."""
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
     code = tl.load(pool_src + rows, mask=rv, other=0)
     src = code // (T_MAX * K)
     tk = code % (T_MAX * K)                      # token * K + k on the source rank
-    out = to_bf16(acc, FIX_ROUNDING)
-    # One masked store per source rank: element offsets from one base pointer fit int32
-    # (T_MAX * K * H < 2**31, checked by the config), where a pointer per element would hold
-    # 64 bits of address for every value of the tile.
-    offs = tk[:, None] * H + nb * BN + cols[None, :]
-    for s in range(0, R):
-        tl.store(peer_ptr(table, s, off_combine_y, tl.bfloat16) + offs, out,
-                 mask=(rv & (src == s))[:, None])
+    if EPI_SPLIT == 4:   # four column quarters (a, b) -> columns (2a + b) * BN / 4 ...
+        W: tl.constexpr = BN // 4
+        q = tl.permute(tl.reshape(acc, [BM, 2, 2, W]), (0, 3, 1, 2))   # [BM, W, a, b]
+        b0, b1 = tl.split(q)
+        q00, q10 = tl.split(b0)
+        q01, q11 = tl.split(b1)
+        c0 = nb * BN
+        store_slot_rows(q00, tk, src, rv, c0, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(q01, tk, src, rv, c0 + W, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(q10, tk, src, rv, c0 + 2 * W, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(q11, tk, src, rv, c0 + 3 * W, table, off_combine_y, H, R, FIX_ROUNDING)
+    elif EPI_SPLIT == 2:   # two column halves: half the registers for offsets and values
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
+        store_slot_rows(lo, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(hi, tk, src, rv, nb * BN + BN // 2, table, off_combine_y, H, R,
+                        FIX_ROUNDING)
+    else:
+        store_slot_rows(acc, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
     if SIGNAL_ROWS:
         tl.debug_barrier()  # every thread's rows are stored before the count is released
         # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU,
@@ -289,11 +327,14 @@ def l2_kernel(
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag, off_l2_programs,
     off_l2_ranks_done,
-    H, I, E_LOC, T_MAX, NB1, P, R, AB,   # FP8: bytes per pool_act row
+    H, I, E_LOC, T_MAX, NB1, P,
+    R: tl.constexpr,           # ranks: the combine-slot stores unroll over them
+    AB,                        # FP8: bytes per pool_act row
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
-    RANK_SIGNAL: tl.constexpr = False,
+    RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1,
 ):
     """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
@@ -318,6 +359,22 @@ def l2_kernel(
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
+    if FLAT:
+        # no waits: one flat loop over (tile, k step), which Triton's pipeliner can prefetch
+        # across tiles (the next tile's first loads overlap this tile's epilogue)
+        for t in tl.range(pid, total, nprog, flatten=True):
+            mb, nb = grouped_tile(t, num_m, NB, GROUP_M)
+            meta = tl.load(block_meta + mb)
+            if FP8:
+                l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src,
+                                  off_pool_act, off_combine_y, off_combine_flag, w2, w2_s, H, I,
+                                  AB, T_MAX, R, K, BM, BN, BK, UPCAST, DONE_SCOPE,
+                                  not RANK_SIGNAL, EPI_SPLIT)
+            else:
+                l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
+                         w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
+                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT)
+        ticket = total
     mb, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
     meta = tl.load(block_meta + mb, mask=ticket < total, other=0)
     while (ticket < total) & ok:
@@ -332,11 +389,11 @@ def l2_kernel(
                 l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src,
                                   off_pool_act, off_combine_y, off_combine_flag, w2, w2_s, H, I,
                                   AB, T_MAX, R, K, BM, BN, BK, UPCAST, DONE_SCOPE,
-                                  not RANK_SIGNAL)
+                                  not RANK_SIGNAL, EPI_SPLIT)
             else:
                 l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
                          w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
-                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL)
+                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT)
         mb = mb_next
         nb = nb_next
         meta = meta_next
