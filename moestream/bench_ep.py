@@ -20,6 +20,10 @@ Providers, measured in the same run on the same inputs:
                   torch's bf16 output is judged against the fp8 quantization error
                   (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
     fp8-fused-graph  the fp8 layer in the fused launch, replayed from CUDA graphs.
+    staged-stages, fp8-staged-stages
+                  where the staged call's time goes: each launch timed on the GPU
+                  (``stage_times``); the row's time is the whole call's and ``stages_us``
+                  holds each stage's median (slowest rank by total). ``plot_stages`` draws them.
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -28,15 +32,17 @@ never timed as fast.
 """
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["bench_ep_worker", "run_ep_bench"]
+__all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "plot_stages"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
-             "fp8-staged-graph", "fp8-fused-graph", "torch-symm")
+             "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
+             "fp8-staged-stages")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -81,6 +87,96 @@ def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, se
 def _replayed(provider: str) -> bool:
     """Providers timed as CUDA-graph replays."""
     return provider.endswith("-graph") or _granularity(provider) is not None
+
+
+def _stagewise(provider: str) -> bool:
+    """Providers timed stage by stage (``stage_times``)."""
+    return provider.endswith("-stages")
+
+
+def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
+                warmup: int) -> dict[str, Any]:
+    """GPU time of each launch of the staged path on this rank (collective: every rank calls
+    it together). ``call(on_stage)`` runs one layer call through ``stages.run_staged`` with
+    that ``on_stage``. Each rep: the ranks meet at a barrier, then each holds its stream in the
+    same sleep (``bench.QUEUE_AHEAD_CYCLES``) while the host queues the call with a CUDA event
+    after every stage, so the events measure GPU time, not launch gaps; a stage's time
+    includes its waits for the peers (layout waits for their inputs).
+
+    Returns median_us / p20_us / p80_us of the whole call and ``stages_us``: the median of
+    each stage (``stages.STAGES`` order)."""
+    import torch.distributed as dist
+
+    from .bench import QUEUE_AHEAD_CYCLES, _percentile
+    from .stages import STAGES
+
+    for _ in range(warmup):
+        call(lambda name: None)
+    per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    totals: list[float] = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        marks: list[tuple[str, Any]] = []
+
+        def on_stage(name: str) -> None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((name, ev))
+
+        call(on_stage)
+        torch.cuda.synchronize()
+        prev = start
+        for name, ev in marks:
+            per_stage[name].append(prev.elapsed_time(ev) * 1e3)
+            prev = ev
+        totals.append(start.elapsed_time(prev) * 1e3)
+    totals.sort()
+    return dict(median_us=statistics.median(totals), p20_us=_percentile(totals, 0.2),
+                p80_us=_percentile(totals, 0.8), reps=reps, clock="cuda_events",
+                stages_us={n: statistics.median(v) for n, v in per_stage.items() if v})
+
+
+def _staged_call(buf, a, weights, mark) -> torch.Tensor:
+    """One staged layer call on this rank's real buffer, inputs ``a`` = (x, topk_idx,
+    topk_weights) as ``_inputs`` makes them (valid and contiguous), with ``mark`` as
+    ``run_staged``'s on_stage."""
+    from . import stages
+    x = a[0]
+    y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    stages.run_staged(buf, [x], [a[1]], [a[2]], [weights[0]], [weights[1]], y, on_stage=mark)
+    return y
+
+
+def plot_stages(rows: Sequence[dict], path) -> None:
+    """Save a PNG: one horizontal bar per (provider, shape, tokens) row that has
+    ``stages_us``, split into its stages (stages.STAGES order), µs on a log-free axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from .stages import STAGES
+
+    rows = [r for r in rows if r.get("stages_us")]
+    if not rows:
+        raise ValueError("plot_stages needs rows with stages_us (providers *-stages)")
+    fig = Figure(figsize=(9, 0.45 * len(rows) + 1.4), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    labels = [f"{r['provider']} {r['shape']} T={r['tokens_per_rank']}" for r in rows]
+    colors = ["#888888", "#bbbbbb", "#dddd66", "#4c9be8", "#e8894c", "#c44ce8", "#4ce89b"]
+    left = [0.0] * len(rows)
+    for name, color in zip(STAGES, colors):
+        widths = [r["stages_us"].get(name, 0.0) for r in rows]
+        ax.barh(labels, widths, left=left, color=color, label=name)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("µs (GPU time per stage, slowest rank)")
+    ax.legend(ncols=len(STAGES), loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8)
+    fig.savefig(str(path), dpi=120)
 
 
 def _capture(sets, fn) -> list:
@@ -144,6 +240,10 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 for p in providers:
                     if _granularity(p) is not None:
                         calls[p] = ours("fused", _granularity(p))
+                    if _stagewise(p):   # stages.run_staged with an on_stage hook
+                        b, ws = (buf8, w8) if _dtype(p) == "fp8" else (buf, (w13, w2))
+                        calls[p] = (lambda a, mark=None, b=b, ws=ws: _staged_call(
+                            b, a, ws, mark))
                 # agreement check on the first input set before timing anything; the first
                 # call of a provider also compiles its kernels (reported, so a slow compile is
                 # never mistaken for a hang)
@@ -174,7 +274,12 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 for p in providers:
                     dist.barrier()
                     rotate = list(range(len(sets))) if _replayed(p) else sets
-                    stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps, rotate=rotate))
+                    if _stagewise(p):
+                        stats = slowest(stage_times(lambda mark, p=p: calls[p](sets[0], mark),
+                                                    reps=reps, warmup=warmup))
+                    else:
+                        stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps,
+                                                  rotate=rotate))
                     if rank == 0:
                         err = agree.get(p)
                         bound = FP8_AGREE if _dtype(p) == "fp8" else 2 * TOLERANCE["bf16"]
@@ -184,7 +289,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                             routing="skewed" if skew else "uniform",
                             rel_diff_vs_torch=err,
-                            agrees=None if err is None else bool(err < bound)))
+                            agrees=None if err is None else bool(err < bound),
+                            **({"stages_us": stats["stages_us"]} if "stages_us" in stats
+                               else {})))
                         progress.console.print(
                             f"{shape} T={T} {p}: {stats['median_us']:.1f} us"
                             + ("" if err is None else f" (rel diff vs torch {err:.1e})"))

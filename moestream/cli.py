@@ -271,7 +271,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot_rows(rows, args.plot, title=f"EP layer, {torch.cuda.device_count()}x "
                                          f"{torch.cuda.get_device_name(0)}")
         con.print(f"plot saved to {args.plot}")
+        if any(r.get("stages_us") for r in rows):
+            from pathlib import Path
+
+            from .bench_ep import plot_stages
+            stages_png = Path(args.plot).with_name(Path(args.plot).stem + "_stages.png")
+            plot_stages(rows, stages_png)
+            con.print(f"stage breakdown saved to {stages_png}")
     print_table(rows, title="moestream bench", columns=cols)
+    staged = [r for r in rows if r.get("stages_us")]
+    if staged:
+        from .stages import STAGES
+        print_table([{**r, **{f"{n} µs": r["stages_us"].get(n) for n in STAGES}} for r in staged],
+                    title="staged call, GPU time per stage (slowest rank)",
+                    columns=["shape", "tokens_per_rank", "provider", "median_us"]
+                    + [f"{n} µs" for n in STAGES])
     return 0
 
 

@@ -9,7 +9,7 @@ run inside one persistent launch. Tests drive the stages one by one to inspect t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from .layout import DIAG_FIELDS
 from .routing import source_slots
 
 __all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
-           "run_staged", "run_fused", "fused_tuning", "max_tickets"]
+           "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -486,17 +486,32 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
                topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
                w2s: Sequence[torch.Tensor], y: torch.Tensor, *,
-               tuning: Tuning | None = None) -> None:
-    """All stages for every local rank; y [local ranks, T_out, H] receives the outputs."""
+               tuning: Tuning | None = None,
+               on_stage: Callable[[str], None] | None = None) -> None:
+    """All stages for every local rank; y [local ranks, T_out, H] receives the outputs.
+    ``on_stage(name)``, if given, is called after each stage's launches are queued (names:
+    ``STAGES``), e.g. to record CUDA events between them (``bench_ep.stage_times``)."""
     tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
+    mark = on_stage or (lambda name: None)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
+    mark("publish")
     signal(buffer)
+    mark("signal")
     layout(buffer, tuning=tuning)
+    mark("layout")
     dispatch(buffer, tuning=tuning)
+    mark("dispatch")
     l1(buffer, w13s, tuning=tuning)
+    mark("l1")
     l2(buffer, w2s, tuning=tuning)
+    mark("l2")
     combine(buffer, y, tuning=tuning)
+    mark("combine")
+
+
+# the staged path's launches in order (run_staged's on_stage names)
+STAGES = ("publish", "signal", "layout", "dispatch", "l1", "l2", "combine")
 
 
 def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:

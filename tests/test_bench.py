@@ -207,3 +207,49 @@ def test_ep_bench_provider_names():
     for bad in (["fuse"], ["chunk"], ["chunk-3"], ["chunkx"]):
         with pytest.raises(ValueError, match="provider"):
             check_providers(bad)
+
+
+def test_stage_providers_and_plot(tmp_path):
+    # *-stages providers are timed stage by stage, never replayed; plot_stages draws one
+    # stacked bar per row, stages in run_staged's order, and refuses rows without stages
+    from moestream.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
+    from moestream.stages import STAGES
+    check_providers(["staged-stages", "fp8-staged-stages"])
+    assert _stagewise("staged-stages") and not _replayed("staged-stages")
+    assert _dtype("fp8-staged-stages") == "fp8" and not _stagewise("staged-graph")
+    rows = [_row(shape=s, provider="staged-stages", tokens_per_rank=T, median_us=700.0,
+                 stages_us={n: 10.0 * (i + 1) for i, n in enumerate(STAGES)})
+            for s in ("qwen3", "dsv3") for T in (1, 8192)]
+    plot_stages(rows, tmp_path / "stages.png")
+    data = (tmp_path / "stages.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="stages_us"):
+        plot_stages([_row(shape="dsv3", provider="staged", tokens_per_rank=1, median_us=1.0)],
+                    tmp_path / "none.png")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stage_times_on_one_gpu():
+    # every stage of a staged call on one GPU (one virtual rank) gets a GPU time; the stages
+    # add up to the call, and the output is the layer's
+    from moestream import SymmBuffer
+    from moestream.bench_ep import _staged_call, stage_times
+    from moestream.stages import STAGES
+    from moestream.reference import moe_forward
+    from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
+    cfg = MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, max_tokens_per_rank=64)
+    buf = SymmBuffer(cfg, num_ranks=1, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    x = make_tokens(50, cfg.hidden, generator=gen, device="cuda")
+    idx, w = make_routing(50, cfg.num_experts, cfg.top_k, generator=gen, device="cuda")
+    (w13,), (w2,) = make_weights(cfg, 1, generator=gen, device="cuda")
+    stats = stage_times(lambda mark: _staged_call(buf, (x, idx, w), (w13, w2), mark), reps=5,
+                        warmup=1)
+    assert set(stats["stages_us"]) == set(STAGES)
+    assert all(v > 0 for v in stats["stages_us"].values())
+    assert abs(sum(stats["stages_us"].values()) - stats["median_us"]) <= 0.2 * stats["median_us"]
+    y = _staged_call(buf, (x, idx, w), (w13, w2), None)
+    buf.check()
+    ref = moe_forward(x, idx, w, w13, w2)
+    assert rel_error(y, ref) <= TOLERANCE["bf16"]

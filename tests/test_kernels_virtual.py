@@ -443,6 +443,24 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
+def test_run_staged_marks_each_stage_in_order(gen):
+    # run_staged's on_stage hook (the EP bench's per-stage timer) fires once per stage, in
+    # stages.STAGES order, after that stage's launches, and changes nothing in the result
+    cfg = small_config()
+    R, Ts = 2, [13, 6]
+    buf = SymmBuffer(cfg, num_ranks=R, device="cpu")
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, "cpu", drop=0.1)
+    w13s, w2s = make_weights(cfg, R, generator=gen)
+    y = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16)
+    names = []
+    stages.run_staged(buf, xs, idxs, ws, w13s, w2s, y, on_stage=names.append)
+    buf.check()
+    assert names == list(stages.STAGES)
+    check_layer([y[r, :T] for r, T in enumerate(Ts)], xs, idxs, ws, w13s, w2s,
+                hidden=cfg.hidden)
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("R, Ts, e_per_rank, several_waves", [
     (2, [24, 20], 6, True),      # two ranks, several expert waves each
