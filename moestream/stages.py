@@ -21,10 +21,10 @@ from .kernels import fused as _fused
 from .kernels import gemm as _gemm
 from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
-from .routing import source_slots
 
 __all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
-           "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm"]
+           "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm",
+           "pick_slots"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -347,6 +347,22 @@ def _launch_kw(warps: int, stages: int | None = None) -> dict:
     return kw
 
 
+def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tuning()
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
+    (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort, which
+    took ~60 µs of GPU time per call at small T (benchmarks/NOTES.md, session 5).
+    ``topk_idx`` must be contiguous."""
+    T, K = topk_idx.shape
+    counts = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
+    slot = torch.empty(T, K, dtype=torch.int32, device=topk_idx.device)
+    n = T * K
+    _dispatch.source_slots_kernel[(num_experts + 1,)](
+        topk_idx, slot, counts, n, num_experts, BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096),
+        **_launch_kw(tuning.copy_warps))
+    return counts, slot
+
+
 def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Tensor,
             topk_weights: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
     """Copy one local rank's inputs into the next parity of its buffer; zero its counters.
@@ -354,7 +370,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
-    counts, slot = source_slots(topk_idx, cfg.num_experts)
+    counts, slot = pick_slots(topk_idx, cfg.num_experts, tuning=tuning)
     T = x.shape[0]
     BT = 8
     grid = (max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1),)

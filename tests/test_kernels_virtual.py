@@ -443,6 +443,36 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("T, K, E, case", [
+    (1, 2, 8, "random"),        # T=1: one token's picks
+    (37, 4, 5, "random"),       # prime-ish expert count, T not a power of two
+    (300, 8, 256, "random"),    # more picks than one 128-wide chunk, dsv3's expert count
+    (700, 2, 3, "one"),         # every pick to expert 1: long runs across chunks
+    (50, 4, 8, "holes"),        # -1 and out-of-range ids (E, E + 5, -7) are no picks
+    (0, 4, 8, "random"),        # a rank with no tokens: counts 0, nothing written
+])
+def test_pick_slots_kernel_equals_source_slots(device, gen, T, K, E, case):
+    # the publish step's one-launch slot numbering is routing.source_slots exactly (stable:
+    # picks of an expert numbered in flat t * K + k order), for int32 and int64 ids
+    if case == "one":
+        idx = torch.ones(T, K, dtype=torch.int64)
+        idx[:, 1:] = torch.arange(1, K).remainder(E)[None, :] if K > 1 else idx[:, 1:]
+    else:
+        idx = torch.stack([torch.randperm(max(E, K), generator=gen)[:K] for _ in range(T)]) \
+            if T else torch.empty(0, K, dtype=torch.int64)
+        idx = idx.remainder(E) if E < K else idx
+        if case == "holes":
+            bad = torch.tensor([-1, E, E + 5, -7])
+            where = torch.rand(T, K, generator=gen) < 0.3
+            idx[where] = bad[torch.randint(0, 4, (int(where.sum()),), generator=gen)]
+    want_counts, want_slot = source_slots(idx, E)
+    for dtype in (torch.int64, torch.int32):
+        counts, slot = stages.pick_slots(idx.to(dtype).to(device), E)
+        assert torch.equal(counts.cpu(), want_counts), (dtype, counts, want_counts)
+        assert torch.equal(slot.cpu(), want_slot), dtype
+
+
 def test_run_staged_marks_each_stage_in_order(gen):
     # run_staged's on_stage hook (the EP bench's per-stage timer) fires once per stage, in
     # stages.STAGES order, after that stage's launches, and changes nothing in the result

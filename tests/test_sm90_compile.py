@@ -41,9 +41,9 @@ def compiled_fp8(compiled_rows) -> dict[str, dict]:
 
 
 def test_every_kernel_compiles(compiled):
-    assert set(compiled) == {"publish_kernel", "signal_kernel", "layout_kernel",
-                             "dispatch_kernel", "l1_kernel", "l2_kernel", "combine_kernel",
-                             "fused_kernel"}
+    assert set(compiled) == {"source_slots_kernel", "publish_kernel", "signal_kernel",
+                             "layout_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel",
+                             "combine_kernel", "fused_kernel"}
 
 
 @pytest.mark.parametrize("name", ["l1_kernel", "l2_kernel", "fused_kernel"])
@@ -65,9 +65,9 @@ def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
     # stages: the byte rows' base pointers carry their 16-byte alignment), and at most a small
     # spill in the staged L1 (two 128x128 fp32 accumulators plus the two fresh per-K-block
     # products: 255 registers); the fused kernel's register budget is not bounded here (as bf16)
-    assert set(compiled_fp8) == {"publish_kernel", "signal_kernel", "layout_kernel",
-                                 "dispatch_kernel", "l1_kernel", "l2_kernel", "combine_kernel",
-                                 "fused_kernel"}
+    assert set(compiled_fp8) == {"source_slots_kernel", "publish_kernel", "signal_kernel",
+                                 "layout_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel",
+                                 "combine_kernel", "fused_kernel"}
     for name in ("l1_kernel", "l2_kernel", "fused_kernel"):
         row = compiled_fp8[name]
         assert row["e4m3_gmma"] > 0 and row["hgmma"] == 0 and row["hmma"] == 0, row

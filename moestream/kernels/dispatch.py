@@ -23,14 +23,39 @@ from .gemm_fp8 import quant_rows_128
 
 
 @triton.jit
+def source_slots_kernel(
+    topk_idx_TK,      # int32/int64 [T, K], read as N = T * K picks in flat order t * K + k
+    slot_TK,          # int32 [T, K] out: the pick's slot among its expert's picks, -1: no pick
+    counts_E,         # int32 [E] out: picks per expert
+    N, E, BLOCK: tl.constexpr,
+):
+    """routing.source_slots in one launch, without a sort. Program e < E walks the picks in
+    flat order and numbers those of expert e 0, 1, 2, ... (a running cumsum: stable, as the
+    torch version), then writes counts_E[e]; program E writes -1 for picks outside [0, E)
+    (-1 included). Every slot is written by exactly one program."""
+    e = tl.program_id(0)
+    mine = e < E
+    base = tl.zeros([], tl.int32)
+    for s in range(0, N, BLOCK):
+        i = s + tl.arange(0, BLOCK)
+        m = i < N
+        key = tl.load(topk_idx_TK + i, mask=m, other=-1)
+        hit = m & tl.where(mine, key == e, (key < 0) | (key >= E))
+        c = tl.cumsum(hit.to(tl.int32), 0)
+        tl.store(slot_TK + i, tl.where(mine, base + c - 1, -1), mask=hit)
+        base += tl.sum(hit.to(tl.int32), 0)
+    tl.store(counts_E + e, base, mask=mine)
+
+
+@triton.jit
 def publish_kernel(
     table,            # int64[R]: base address of each rank's buffer
     rank,             # the rank whose inputs these are
     x_TH,             # bf16 [T, H], row stride x_stride
     topk_idx_TK,      # int32/int64 [T, K]
     topk_w_TK,        # fp32 [T, K]
-    slot_TK,          # int32 [T, K] (routing.source_slots)
-    counts_E,         # int32 [E]   (routing.source_slots)
+    slot_TK,          # int32 [T, K] (source_slots_kernel = routing.source_slots)
+    counts_E,         # int32 [E]   (source_slots_kernel = routing.source_slots)
     T, x_stride, T_MAX, H, XB,  # XB: bytes per published row (QUANT)
     off_epoch, off_diag, off_num_tokens, off_send_counts, off_x, off_topk_idx,
     off_topk_weights, off_slot, off_reset, reset_words,
