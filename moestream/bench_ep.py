@@ -153,8 +153,9 @@ def _staged_call(buf, a, weights, mark) -> torch.Tensor:
 
 
 def plot_stages(rows: Sequence[dict], path) -> None:
-    """Save a PNG: one horizontal bar per (provider, shape, tokens) row that has
-    ``stages_us``, split into its stages (stages.STAGES order), µs on a log-free axis."""
+    """Save a PNG: one panel per shape (each with its own µs axis, so decode and prefill
+    points stay readable), one horizontal bar per (provider, tokens) row that has
+    ``stages_us``, split into its stages in ``stages.STAGES`` order."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -163,19 +164,26 @@ def plot_stages(rows: Sequence[dict], path) -> None:
     rows = [r for r in rows if r.get("stages_us")]
     if not rows:
         raise ValueError("plot_stages needs rows with stages_us (providers *-stages)")
-    fig = Figure(figsize=(9, 0.45 * len(rows) + 1.4), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    labels = [f"{r['provider']} {r['shape']} T={r['tokens_per_rank']}" for r in rows]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
     colors = ["#888888", "#bbbbbb", "#dddd66", "#4c9be8", "#e8894c", "#c44ce8", "#4ce89b"]
-    left = [0.0] * len(rows)
-    for name, color in zip(STAGES, colors):
-        widths = [r["stages_us"].get(name, 0.0) for r in rows]
-        ax.barh(labels, widths, left=left, color=color, label=name)
-        left = [a + b for a, b in zip(left, widths)]
-    ax.invert_yaxis()
-    ax.set_xlabel("µs (GPU time per stage, slowest rank)")
-    ax.legend(ncols=len(STAGES), loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8)
+    fig = Figure(figsize=(4.2 * len(shapes), 0.5 * max(
+        sum(r["shape"] == s for r in rows) for s in shapes) + 1.6), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(shapes), squeeze=False)[0]
+    for ax, shape in zip(axes, shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        labels = [f"{r['provider'].removesuffix('-stages')} T={r['tokens_per_rank']}"
+                  for r in mine]
+        left = [0.0] * len(mine)
+        for name, color in zip(STAGES, colors):
+            widths = [r["stages_us"].get(name, 0.0) for r in mine]
+            ax.barh(labels, widths, left=left, color=color, label=name)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.invert_yaxis()
+        ax.set_title(shape)
+        ax.set_xlabel("µs per stage (GPU, slowest rank)")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncols=len(STAGES), fontsize=8)
     fig.savefig(str(path), dpi=120)
 
 
