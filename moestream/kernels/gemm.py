@@ -164,6 +164,21 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
 
 
 @triton.jit
+def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
+                    a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr):
+    """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
+    rows, or ``l1_block``)."""
+    if FP8:
+        l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
+                          off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST)
+    else:
+        l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+                 BM, BN, BK, UPCAST, USE_TMA)
+
+
+@triton.jit
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
     w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
@@ -196,14 +211,10 @@ def l1_kernel(
     ok = pid >= 0
     if FLAT:   # no waits: one flat loop over (block, k step), as l2_kernel's
         for t in tl.range(pid, total, nprog, flatten=True):
-            meta = tl.load(block_meta + t // NB)
-            if FP8:
-                l1_fp8_pool_block(t // NB, t % NB, meta, table, rank, l1_done, off_pool_x,
-                                  off_pool_weight, off_pool_act, w13, w13_s, H, I, XB, AB, BM,
-                                  BN, BK, UPCAST)
-            else:
-                l1_block(t // NB, t % NB, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
-                         w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
+            l1_either_block(t // NB, t % NB, tl.load(block_meta + t // NB), table, rank,
+                            l1_done, pool_x, pool_w, pool_act, w13, w13_s, a_desc, w_desc,
+                            off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK,
+                            UPCAST, USE_TMA, FP8)
         ticket = total
     meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
@@ -213,13 +224,10 @@ def l1_kernel(
                                2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            if FP8:
-                l1_fp8_pool_block(ticket // NB, ticket % NB, meta, table, rank, l1_done,
-                                  off_pool_x, off_pool_weight, off_pool_act, w13, w13_s, H, I,
-                                  XB, AB, BM, BN, BK, UPCAST)
-            else:
-                l1_block(ticket // NB, ticket % NB, meta, l1_done, pool_x, pool_w, pool_act,
-                         w13, a_desc, w_desc, H, I, BM, BN, BK, UPCAST, USE_TMA)
+            l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
+                            pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
+                            off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
+                            USE_TMA, FP8)
         meta = meta_next
         ticket += nprog
 
@@ -320,6 +328,25 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
 
 
 @triton.jit
+def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2, w2_s,
+                    a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
+                    T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                    DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
+                    EPI_SPLIT: tl.constexpr, FP8: tl.constexpr):
+    """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
+    rows, or ``l2_block``)."""
+    if FP8:
+        l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
+                          off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
+                          BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+    else:
+        l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
+                 off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
+                 USE_TMA, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+
+
+@triton.jit
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
     w2s_table,                 # FP8: int64[local ranks] w2_scale_inv bases
@@ -364,16 +391,10 @@ def l2_kernel(
         # across tiles (the next tile's first loads overlap this tile's epilogue)
         for t in tl.range(pid, total, nprog, flatten=True):
             mb, nb = grouped_tile(t, num_m, NB, GROUP_M)
-            meta = tl.load(block_meta + mb)
-            if FP8:
-                l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src,
-                                  off_pool_act, off_combine_y, off_combine_flag, w2, w2_s, H, I,
-                                  AB, T_MAX, R, K, BM, BN, BK, UPCAST, DONE_SCOPE,
-                                  not RANK_SIGNAL, EPI_SPLIT)
-            else:
-                l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
-                         w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
-                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT)
+            l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, rank, l2_done,
+                            pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
+                            off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
+                            UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8)
         ticket = total
     mb, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
     meta = tl.load(block_meta + mb, mask=ticket < total, other=0)
@@ -385,15 +406,10 @@ def l2_kernel(
                                rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            if FP8:
-                l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src,
-                                  off_pool_act, off_combine_y, off_combine_flag, w2, w2_s, H, I,
-                                  AB, T_MAX, R, K, BM, BN, BK, UPCAST, DONE_SCOPE,
-                                  not RANK_SIGNAL, EPI_SPLIT)
-            else:
-                l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src,
-                         w2, a_desc, w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K,
-                         BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT)
+            l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
+                            w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
+                            H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
+                            not RANK_SIGNAL, EPI_SPLIT, FP8)
         mb = mb_next
         nb = nb_next
         meta = meta_next
