@@ -58,7 +58,6 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("l2-split2", 128, replace(_BF16, l2_epilogue_split=2)),
     GemmVariant("l2-noflat", 128, replace(_BF16, l2_flat=False)),
     GemmVariant("l2-split1", 128, replace(_BF16, l2_epilogue_split=1)),
-    GemmVariant("l1-flat", 128, replace(_BF16, l1_flat=True)),
     GemmVariant("l1n64w4s3", 128, replace(_BF16, l1_block_n=64, l1_warps=4, l1_stages=3)),
     # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
     GemmVariant("fp8", 128, _FP8, "fp8"),
@@ -69,7 +68,7 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8-l2n64-flat", 128, replace(_FP8, l2_block_n=64, l2_warps=4, l2_stages=4,
                                                l2_flat=True), "fp8"),
     GemmVariant("fp8-s4", 128, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
-    GemmVariant("fp8-flat", 128, replace(_FP8, l1_flat=True, l2_flat=True), "fp8"),
+    GemmVariant("fp8-flat", 128, replace(_FP8, l2_flat=True), "fp8"),
     GemmVariant("fp8-m64", 64, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
 ]}
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import _check_meta, _dims, _launch_kw, _pow2, _tensor, pack_block_meta
+from .fp8 import (_act_out, _check_meta, _dims, _launch_kw, _pool_blocks, _pow2, _tensor,
+                  _y_out, pack_block_meta)
 from .kernels._common import INTERPRET
 from .kernels.gemm_fp4 import ACT_GROUP, MX_BLOCK, l1_fp4w_kernel, l2_fp4w_kernel
 from .quant import FP8_BLOCK, MXFP4_BLOCK
@@ -96,9 +97,7 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
     _pow2("block_m", block_m, 16, 256)
     if block_n not in (128, 256) or I % block_n:
         raise ValueError(f"block_n must be 128 or 256 and divide I={I}, got {block_n!r}")
-    if P % block_m:
-        raise ValueError(f"pool rows P={P} must be a multiple of block_m={block_m}")
-    nblk = P // block_m
+    nblk = _pool_blocks(P, block_m)
     x_stride = _rows("pool_x_q", pool_x_q, dtype=_FP8, shape=(P, H), device=dev)
     xs_stride = _rows("pool_x_scale", pool_x_scale, dtype=torch.float32, shape=(P, H // 128),
                       device=dev)
@@ -107,10 +106,7 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
     _word_aligned("w13_scale", w13_scale)
     _tensor("pool_weight", pool_weight, dtype=torch.float32, shape=(P,), device=dev)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
-    if act_q is None:
-        act_q = torch.empty(P, I, dtype=_FP8, device=dev)
-    if act_scale is None:
-        act_scale = torch.empty(P, I // 128, dtype=torch.float32, device=dev)
+    act_q, act_scale = _act_out(act_q, act_scale, P, I, dev)
     a_stride = _rows("act_q", act_q, dtype=_FP8, shape=(P, I), device=dev)
     as_stride = _rows("act_scale", act_scale, dtype=torch.float32, shape=(P, I // 128),
                       device=dev)
@@ -155,9 +151,7 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
     _pow2("block_n", block_n, 16, 256)
     if H % block_n:
         raise ValueError(f"block_n={block_n} must divide H={H}")
-    if P % block_m:
-        raise ValueError(f"pool rows P={P} must be a multiple of block_m={block_m}")
-    nblk = P // block_m
+    nblk = _pool_blocks(P, block_m)
     a_stride = _rows("act_q", act_q, dtype=_FP8, shape=(P, I), device=dev)
     as_stride = _rows("act_scale", act_scale, dtype=torch.float32, shape=(P, I // 128),
                       device=dev)
@@ -165,12 +159,7 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
     _tensor("w2_scale", w2_scale, dtype=_U8, shape=(E, H, I // MXFP4_BLOCK), device=dev)
     _word_aligned("w2_scale", w2_scale)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
-    if y is None:
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-        y = torch.empty(P, H, dtype=out_dtype, device=dev)
-    if not isinstance(y, torch.Tensor) or y.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError("y must be a bfloat16 or float32 tensor")
+    y = _y_out(y, out_dtype, P, H, dev)
     y_stride = _rows("y", y, dtype=y.dtype, shape=(P, H), device=dev)
     if nblk:
         l2_fp4w_kernel[(H // block_n, nblk)](

@@ -80,6 +80,35 @@ def _launch_kw(num_warps, num_stages):
     return kw
 
 
+def _pool_blocks(P, block_m):
+    """m-blocks of a pool of P rows (ValueError unless block_m divides P)."""
+    if P % block_m:
+        raise ValueError(f"pool rows P={P} must be a multiple of block_m={block_m}")
+    return P // block_m
+
+
+def _act_out(act_q, act_scale, P, I, device):
+    """L1's outputs as given, or allocated: act_q [P, I] e4m3, act_scale [P, I/128] fp32
+    (the callers check given ones)."""
+    if act_q is None:
+        act_q = torch.empty(P, I, dtype=_FP8, device=device)
+    if act_scale is None:
+        act_scale = torch.empty(P, I // 128, dtype=torch.float32, device=device)
+    return act_q, act_scale
+
+
+def _y_out(y, out_dtype, P, H, device):
+    """L2's output as given (bf16 or fp32; the callers check its shape), or allocated [P, H]
+    with ``out_dtype``."""
+    if y is None:
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+        y = torch.empty(P, H, dtype=out_dtype, device=device)
+    if not isinstance(y, torch.Tensor) or y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("y must be a bfloat16 or float32 tensor")
+    return y
+
+
 def l1_fp8(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: torch.Tensor,
            w13_q: torch.Tensor, w13_scale_inv: torch.Tensor, pool_weight: torch.Tensor,
            block_m: int, block_n: int = 128, act_q: torch.Tensor | None = None,
@@ -113,9 +142,7 @@ def l1_fp8(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: to
     _pow2("block_m", block_m, 16, 256)
     if block_n not in (128, 256) or I % block_n:
         raise ValueError(f"block_n must be 128 or 256 and divide I={I}, got {block_n!r}")
-    if P % block_m:
-        raise ValueError(f"pool rows P={P} must be a multiple of block_m={block_m}")
-    nblk = P // block_m
+    nblk = _pool_blocks(P, block_m)
     _tensor("pool_x_q", pool_x_q, dtype=_FP8, shape=(P, H))
     _tensor("pool_x_scale", pool_x_scale, dtype=torch.float32, shape=(P, H // 128), device=dev)
     _tensor("w13_q", w13_q, dtype=_FP8, shape=(E, 2 * I, H), device=dev)
@@ -123,10 +150,7 @@ def l1_fp8(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: to
             shape=(E, 2 * I // 128, H // 128), device=dev)
     _tensor("pool_weight", pool_weight, dtype=torch.float32, shape=(P,), device=dev)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
-    if act_q is None:
-        act_q = torch.empty(P, I, dtype=_FP8, device=dev)
-    if act_scale is None:
-        act_scale = torch.empty(P, I // 128, dtype=torch.float32, device=dev)
+    act_q, act_scale = _act_out(act_q, act_scale, P, I, dev)
     _tensor("act_q", act_q, dtype=_FP8, shape=(P, I), device=dev)
     _tensor("act_scale", act_scale, dtype=torch.float32, shape=(P, I // 128), device=dev)
     if nblk:
@@ -166,20 +190,13 @@ def l2_fp8(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.Te
     _pow2("block_n", block_n, 16, 256)
     if H % block_n:
         raise ValueError(f"block_n={block_n} must divide H={H}")
-    if P % block_m:
-        raise ValueError(f"pool rows P={P} must be a multiple of block_m={block_m}")
-    nblk = P // block_m
+    nblk = _pool_blocks(P, block_m)
     _tensor("act_scale", act_scale, dtype=torch.float32, shape=(P, I // 128), device=dev)
     _tensor("w2_q", w2_q, dtype=_FP8, shape=(E, H, I), device=dev)
     _tensor("w2_scale_inv", w2_scale_inv, dtype=torch.float32,
             shape=(E, H // 128, I // 128), device=dev)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
-    if y is None:
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-        y = torch.empty(P, H, dtype=out_dtype, device=dev)
-    if not isinstance(y, torch.Tensor) or y.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError("y must be a bfloat16 or float32 tensor")
+    y = _y_out(y, out_dtype, P, H, dev)
     _tensor("y", y, dtype=y.dtype, shape=(P, H), device=dev)
     if nblk:
         l2_fp8_kernel[(H // block_n, nblk)](

@@ -60,12 +60,12 @@ class Tuning:
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
     dispatch_eager: fused dispatch tiles load picks, slots, weights and the first row chunk
         at once (fewer peer round trips in a row; also reads rows with no pick here).
-    l1_flat, l2_flat: the staged GEMM's persistent loop over tiles and its K loop as one flat
-        loop (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next
-        tile's first K steps during this tile's epilogue. Only without waits (GPU staged
-        path) and, for L2, with l2_signal "rank" (Triton 3.6's loop flattening crashes on the
-        per-tile signal); otherwise the plain loop runs. L2: 5-15 % faster with 128x128
-        tiles; L1: 3x slower (benchmarks/NOTES.md, session 5), so off there.
+    l2_flat: the staged L2's persistent loop over tiles and its K loop as one flat loop
+        (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next tile's
+        first K steps during this tile's epilogue. Only without waits (GPU staged path) and
+        with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
+        otherwise the plain loop runs. 5-15 % faster with 128x128 tiles (benchmarks/NOTES.md,
+        session 5; the same loop in L1 measured 3x slower and was removed).
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
@@ -109,7 +109,6 @@ class Tuning:
     dispatch_eager: bool = False
     l2_group_m: int = 1
     l2_signal: str = "rank"
-    l1_flat: bool = False
     l2_flat: bool = False
     l2_epilogue_split: int = 1
 
@@ -183,9 +182,8 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a power of two, got {v!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
-        for name in ("l1_flat", "l2_flat"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.l2_flat, bool):
+            raise ValueError(f"Tuning.l2_flat must be a bool, got {self.l2_flat!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
             raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
                              f"{self.l2_epilogue_split!r}")
@@ -447,7 +445,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, FLAT=tuning.l1_flat and not tuning.wait,
+              USE_TIMER=not INTERPRET, FP8=fp8,
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)

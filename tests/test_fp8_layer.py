@@ -186,7 +186,7 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     stages.Tuning(l2_block_n=128, l2_epilogue_split=2),             # the GPU default's epilogue
-    stages.Tuning(l2_block_n=128, l2_epilogue_split=4, l2_flat=True, l1_flat=True,
+    stages.Tuning(l2_block_n=128, l2_epilogue_split=4, l2_flat=True,
                   wait=False, programs=3),                          # quarters, flat loops
 ], ids=["split2", "split4-flat"])
 def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):

@@ -422,7 +422,7 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(l2_group_m=3, l2_block_n=32, programs=3),           # groups of 3 m-blocks,
                                                                       # the last one partial
     stages.Tuning(l2_signal="rows", wait=False),                      # per-row combine flags
-    stages.Tuning(wait=False, l1_flat=True, l2_flat=True, programs=3),  # flat (tile, k) loops
+    stages.Tuning(wait=False, l2_flat=True, programs=3),             # flat L2 (tile, k) loop
     stages.Tuning(l2_epilogue_split=2, l2_block_n=64),                # L2 stores in two halves
     stages.Tuning(l2_epilogue_split=4, l2_block_n=128, use_tma=True),  # ... in four quarters
     stages.Tuning(wait=False, l2_flat=True, l2_epilogue_split=2, l2_group_m=2,

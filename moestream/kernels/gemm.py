@@ -188,7 +188,7 @@ def l1_kernel(
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-    FP8: tl.constexpr = False, FLAT: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
@@ -209,13 +209,6 @@ def l1_kernel(
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
-    if FLAT:   # no waits: one flat loop over (block, k step), as l2_kernel's
-        for t in tl.range(pid, total, nprog, flatten=True):
-            l1_either_block(t // NB, t % NB, tl.load(block_meta + t // NB), table, rank,
-                            l1_done, pool_x, pool_w, pool_act, w13, w13_s, a_desc, w_desc,
-                            off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK,
-                            UPCAST, USE_TMA, FP8)
-        ticket = total
     meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
         meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
