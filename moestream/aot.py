@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["compile_layer", "compile_quant_gemms", "main"]
@@ -100,7 +101,9 @@ def _facts(compiled: dict) -> list[dict]:
     for key, (name, kernel) in sorted(compiled.items()):
         md = kernel.metadata
         out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
-                        shared_bytes=md.shared, **_sass_facts(kernel.asm["cubin"])))
+                        shared_bytes=md.shared, launch_pdl=bool(md.launch_pdl),
+                        grid_dep_wait="griddepcontrol.wait" in kernel.asm["ptx"],
+                        **_sass_facts(kernel.asm["cubin"])))
     return out
 
 
@@ -159,7 +162,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
     with _compile_only(capability, compiled, label):
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=16)
         tuning = stages.Tuning.hopper(cfg.block_m)
-        tuning = stages.Tuning(**{**tuning.__dict__, "use_tma": True})
+        tuning = stages.Tuning(**{**tuning.__dict__, "use_tma": True, "pdl": True})   # as on H200
         gen = torch.Generator().manual_seed(0)
         for ranks in (1, 2):   # one local rank (the real form's fused path), two (virtual)
             buf = SymmBuffer(cfg, num_ranks=ranks, device="cpu")
@@ -187,7 +190,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         w13s, w2s = _tiny_weights(cfg8, 1)
         y = torch.empty(1, 8, cfg.hidden, dtype=torch.bfloat16)
         args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
-        tuning8 = stages.Tuning.hopper(cfg.block_m, "fp8")
+        tuning8 = replace(stages.Tuning.hopper(cfg.block_m, "fp8"), use_tma=True, pdl=True)
         stages.run_staged(*args, tuning=tuning8)
         stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
         label[0] = ""
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
         else:
             print(f"{r['kernel']:34s} smem {r['shared_bytes']:>7d}  regs {r['registers']}  "
                   f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  QGMMA {r['qgmma']}  "
-                  f"HMMA {r['hmma']}")
+                  f"HMMA {r['hmma']}  PDL {'yes' if r['grid_dep_wait'] else 'no'}")
     too_big = [r["kernel"] for r in rows if r["shared_bytes"] > SM90_SHARED_LIMIT]
     if too_big:
         print(f"shared memory above the sm_90 limit: {too_big}", file=sys.stderr)

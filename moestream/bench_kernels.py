@@ -59,8 +59,13 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("l2-noflat", 128, replace(_BF16, l2_flat=False)),
     GemmVariant("l2-split1", 128, replace(_BF16, l2_epilogue_split=1)),
     GemmVariant("l1n64w4s3", 128, replace(_BF16, l1_block_n=64, l1_warps=4, l1_stages=3)),
+    # 64-wide L1 blocks at the default's 8 warps / 4 stages (what Tuning.for_call picks when a
+    # call's tiles would leave a second round of programs mostly idle; decode)
+    GemmVariant("l1n64", 128, replace(_BF16, l1_block_n=64)),
     # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
-    GemmVariant("fp8", 128, _FP8, "fp8"),
+    GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),   # TMA loads (session 6)
+    GemmVariant("fp8-ptr", 128, replace(_FP8, use_tma=False), "fp8"),   # pointer loads (<= s5)
+    GemmVariant("fp8-l1s4", 128, replace(_FP8, use_tma=True, l1_stages=4), "fp8"),
     GemmVariant("fp8-split1", 128, replace(_FP8, l2_epilogue_split=1), "fp8"),
     GemmVariant("fp8-split4", 128, replace(_FP8, l2_epilogue_split=4), "fp8"),
     GemmVariant("fp8-p264", 128, replace(_FP8, l2_epilogue_split=1, programs=264), "fp8"),

@@ -387,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "chunkexpert", "torch", "fp8-staged-graph"],
                    help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
                         "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
-                        "staged-stages, fp8-staged-stages (GPU time of each staged launch)")
+                        "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
+                        "staged-nopdl-graph (staged-graph without programmatic dependent "
+                        "launch)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--virtual-ranks", type=int, default=0,
                    help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")

@@ -43,7 +43,9 @@ class Tuning:
     programs: persistent programs per local rank (0 = a multiple of the SM count).
     l1_block_n/k, l2_block_n/k: GEMM tiles (None = the config's block_n/block_k).
     l1_warps/l1_stages, l2_warps/l2_stages: warps and software-pipeline depth of each GEMM.
-    use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere).
+    use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere);
+        the staged bf16 L1/L2 and fp8 L2 (session 6; the fp8 L1 keeps pointer loads), the
+        fused launch in bf16.
     wait: GEMM blocks acquire their input counters. Stream order already guarantees them in
         the staged path (``for_buffer`` turns them off on GPUs); tests keep them on.
     done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
@@ -81,6 +83,11 @@ class Tuning:
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
+    pdl: launch the staged kernels with programmatic dependent launch (``kernels/_common.
+        pdl_enter``): each kernel's programs are placed while the previous kernel finishes and
+        start the moment it completes, instead of after a launch gap. None = on Hopper GPUs;
+        the interpreter ignores it (it has no grid dependencies). The fused launch does not
+        use it.
     """
 
     programs: int = 0
@@ -111,6 +118,7 @@ class Tuning:
     l2_signal: str = "rank"
     l2_flat: bool = False
     l2_epilogue_split: int = 1
+    pdl: bool | None = None
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -184,6 +192,8 @@ class Tuning:
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
         if not isinstance(self.l2_flat, bool):
             raise ValueError(f"Tuning.l2_flat must be a bool, got {self.l2_flat!r}")
+        if self.pdl is not None and not isinstance(self.pdl, bool):
+            raise ValueError(f"Tuning.pdl must be True, False or None, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
             raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
                              f"{self.l2_epilogue_split!r}")
@@ -232,6 +242,11 @@ class Tuning:
 
     def tma(self, buffer: SymmBuffer) -> bool:
         return _constants(buffer).hopper if self.use_tma is None else self.use_tma
+
+    def launch_pdl(self, buffer: SymmBuffer) -> dict:
+        """Launch arguments of a staged kernel: ``{"PDL": True, "launch_pdl": True}`` when
+        programmatic dependent launch is on (``pdl``), else none."""
+        return _pdl_kw(_constants(buffer).hopper if self.pdl is None else self.pdl)
 
 
 @dataclass(frozen=True)
@@ -336,6 +351,11 @@ def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int, kernel=None, args
     return c.sms * per_sm
 
 
+def _pdl_kw(on: bool) -> dict:
+    """Kernel arguments that turn programmatic dependent launch on (compiled kernels only)."""
+    return {"PDL": True, "launch_pdl": True} if on and not INTERPRET else {}
+
+
 def _launch_kw(warps: int, stages: int | None = None) -> dict:
     if INTERPRET:
         return {}
@@ -345,19 +365,20 @@ def _launch_kw(warps: int, stages: int | None = None) -> dict:
     return kw
 
 
-def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tuning()
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tuning(),
+               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
     (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort, which
     took ~60 µs of GPU time per call at small T (benchmarks/NOTES.md, session 5).
-    ``topk_idx`` must be contiguous."""
+    ``topk_idx`` must be contiguous. ``pdl``: launch it with programmatic dependent launch
+    (``Tuning.pdl``)."""
     T, K = topk_idx.shape
     counts = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     slot = torch.empty(T, K, dtype=torch.int32, device=topk_idx.device)
     n = T * K
     _dispatch.source_slots_kernel[(num_experts + 1,)](
         topk_idx, slot, counts, n, num_experts, BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096),
-        **_launch_kw(tuning.copy_warps))
+        **_pdl_kw(pdl), **_launch_kw(tuning.copy_warps))
     return counts, slot
 
 
@@ -368,7 +389,8 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
-    counts, slot = pick_slots(topk_idx, cfg.num_experts, tuning=tuning)
+    pdl = tuning.launch_pdl(buffer)
+    counts, slot = pick_slots(topk_idx, cfg.num_experts, tuning=tuning, pdl=bool(pdl))
     T = x.shape[0]
     BT = 8
     grid = (max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1),)
@@ -381,13 +403,13 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         off["off_reset"], c.reset_words,
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, E_PAD=c.E_ALL_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024, QUANT=cfg.dtype == "fp8",
-        FIX_ROUNDING=INTERPRET, **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, **pdl, **_launch_kw(tuning.copy_warps))
 
 
-def signal(buffer: SymmBuffer) -> None:
+def signal(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     off = _constants(buffer).off
     _dispatch.signal_kernel[(buffer.local_ranks,)](buffer.table, buffer.rank0, off["off_epoch"],
-                                                   off["off_ready"])
+                                                   off["off_ready"], **tuning.launch_pdl(buffer))
 
 
 def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -401,7 +423,8 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
-        R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256, USE_TIMER=not INTERPRET)
+        R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256, USE_TIMER=not INTERPRET,
+        **tuning.launch_pdl(buffer))
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -416,7 +439,8 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **_launch_kw(tuning.copy_warps))
+        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **tuning.launch_pdl(buffer),
+        **_launch_kw(tuning.copy_warps))
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,6 +460,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     off = c.off
     bn, bk = tuning.l1_tile(cfg)
     fp8 = cfg.dtype == "fp8"
+    # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower)
     tma = tuning.tma(buffer) and not fp8
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
@@ -445,7 +470,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8,
+              USE_TIMER=not INTERPRET, FP8=fp8, **tuning.launch_pdl(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)
@@ -458,7 +483,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     off = c.off
     bn, bk = tuning.l2_tile(cfg)
     fp8 = cfg.dtype == "fp8"
-    tma = tuning.tma(buffer) and not fp8
+    tma = tuning.tma(buffer)
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
@@ -472,7 +497,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
               FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank",
-              EPI_SPLIT=tuning.l2_epilogue_split,
+              EPI_SPLIT=tuning.l2_epilogue_split, **tuning.launch_pdl(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)
@@ -494,7 +519,7 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        **_launch_kw(tuning.copy_warps))
+        **tuning.launch_pdl(buffer), **_launch_kw(tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
@@ -510,7 +535,7 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     mark("publish")
-    signal(buffer)
+    signal(buffer, tuning=tuning)
     mark("signal")
     layout(buffer, tuning=tuning)
     mark("layout")
@@ -603,6 +628,6 @@ def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequenc
                           granularity=granularity)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
-    signal(buffer)
+    signal(buffer, tuning=tuning)
     layout(buffer, tuning=tuning)
     fused(buffer, w13s, w2s, y, tuning=tuning, trace=trace)

@@ -199,6 +199,25 @@ def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    stages.Tuning(use_tma=True, l2_block_n=128, l2_epilogue_split=2),   # the GPU default's loads
+    stages.Tuning(use_tma=True, l1_block_n=256, l2_block_n=64, wait=False, l2_flat=True,
+                  programs=3),                                          # 64-wide L2 tiles, flat
+    stages.Tuning(use_tma=False, l2_block_n=128),                       # pointer loads
+], ids=["tma", "tma-l2n64-flat", "pointers"])
+def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
+    # the staged fp8 L2 reads pool_act's byte rows (values, then scales: AB bytes per row)
+    # and w2 through TMA descriptors or pointers: the same slots either way; R = 3 with T not
+    # a multiple of BM and a rank with one token, so descriptor rows cross experts
+    cfg = fp8_config(num_experts=9)
+    buf = SymmBuffer(cfg, num_ranks=3, device=device)
+    poison(buf)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, [21, 1, 12], gen, device, drop=0.1)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+
+
 def test_fp8_is_close_to_the_bf16_layer(gen):
     # what quantization costs against the unquantized reference (docs/quantization.md: ~6e-2
     # on random data); a scale applied twice or not at all would be far outside

@@ -266,6 +266,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
             stages.Tuning(l2_epilogue_split=bad)
     with pytest.raises(ValueError, match="l2_flat must be a bool"):
         stages.Tuning(l2_flat=1)
+    for bad in (1, "on"):
+        with pytest.raises(ValueError, match="pdl must be True, False or None"):
+            stages.Tuning(pdl=bad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -429,9 +432,11 @@ def test_bad_arguments_name_what_is_wrong(gen):
                   use_tma=True),                                      # all three at once
     stages.Tuning(wait=False, l2_flat=True, l2_signal="rows"),        # flat falls back to the
                                                                       # plain loop with rows
+    stages.Tuning(pdl=True, wait=False),      # launches overlap their predecessor's tail (GPU;
+    stages.Tuning(pdl=False, wait=False),     # the interpreter ignores it) / plain launches
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
-        "flat-rows"])
+        "flat-rows", "pdl", "no-pdl"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]

@@ -59,6 +59,15 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
             assert row["stack_bytes"] == 0, row
 
 
+def test_staged_kernels_launch_with_programmatic_dependent_launch(compiled, compiled_fp8):
+    # the GPU defaults (Tuning.pdl on Hopper): every staged kernel is launched with
+    # launch_pdl and starts with griddepcontrol.wait (pdl_enter); the fused kernel is not
+    for rows in (compiled, compiled_fp8):
+        for name, row in rows.items():
+            want = name != "fused_kernel"
+            assert row["launch_pdl"] == want and row["grid_dep_wait"] == want, row
+
+
 def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
     # the fp8 layer's GEMMs as the staged path and the fused launch run them (dsv3 dims,
     # Tuning.hopper fp8): e4m3 x e4m3 warpgroup MMAs, pipelined (shared memory holds several

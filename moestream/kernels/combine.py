@@ -11,8 +11,8 @@ BH-wide chunks so a program never holds more than CT x BH values. Picks with id 
 """
 from __future__ import annotations
 
-from ._common import (launch_context, peer_ptr, tl, to_bf16, triton, wait_all_at_least,
-                      wait_at_least)
+from ._common import (launch_context, pdl_enter, peer_ptr, tl, to_bf16, triton,
+                      wait_all_at_least, wait_at_least)
 
 
 @triton.jit
@@ -68,10 +68,11 @@ def combine_kernel(
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
     off_l2_ranks_done, T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False,
+    USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """WAIT_RANKS: wait once for every rank's L2 (``l2_ranks_done`` reaching R, released by
     the L2 kernel with RANK_SIGNAL) instead of per pick flags."""
+    pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)

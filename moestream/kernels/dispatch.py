@@ -18,7 +18,8 @@ where a row is e4m3 values followed by their fp32 scales).
 """
 from __future__ import annotations
 
-from ._common import launch_context, peer_ptr, peer_ptrs, tl, triton, wait_at_least
+from ._common import (launch_context, pdl_enter, peer_ptr, peer_ptrs, tl, triton,
+                      wait_at_least)
 from .gemm_fp8 import quant_rows_128
 
 
@@ -27,12 +28,13 @@ def source_slots_kernel(
     topk_idx_TK,      # int32/int64 [T, K], read as N = T * K picks in flat order t * K + k
     slot_TK,          # int32 [T, K] out: the pick's slot among its expert's picks, -1: no pick
     counts_E,         # int32 [E] out: picks per expert
-    N, E, BLOCK: tl.constexpr,
+    N, E, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """routing.source_slots in one launch, without a sort. Program e < E walks the picks in
     flat order and numbers those of expert e 0, 1, 2, ... (a running cumsum: stable, as the
     torch version), then writes counts_E[e]; program E writes -1 for picks outside [0, E)
     (-1 included). Every slot is written by exactly one program."""
+    pdl_enter(PDL)
     e = tl.program_id(0)
     mine = e < E
     base = tl.zeros([], tl.int32)
@@ -61,10 +63,11 @@ def publish_kernel(
     off_topk_weights, off_slot, off_reset, reset_words,
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr,
-    QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False,
+    QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
     128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
@@ -129,8 +132,9 @@ def publish_kernel(
 
 
 @triton.jit
-def signal_kernel(table, rank0, off_epoch, off_ready):
+def signal_kernel(table, rank0, off_epoch, off_ready, PDL: tl.constexpr = False):
     """epoch += 1; ready = epoch with release at system scope (peers acquire it)."""
+    pdl_enter(PDL)
     rank = rank0 + tl.program_id(0)
     ep = peer_ptr(table, rank, off_epoch, tl.int32)
     epoch = tl.load(ep) + 1
@@ -173,12 +177,13 @@ def layout_kernel(
     off_wave_mb, off_num_waves,
     R, E_LOC, BM, NB1, WAVE_BLOCKS,
     R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Wait for every peer's inputs of this call, then store this rank's pool layout, for
     every m-block its expert and valid rows (so a GEMM block needs one load to find them), and
     the expert waves: consecutive experts until a wave's L1 blocks (NB1 column blocks per
     m-block) reach WAVE_BLOCKS, as moestream.schedule.expert_waves."""
+    pdl_enter(PDL)
     rank = rank0 + tl.program_id(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
     diag = peer_ptr(table, rank, off_diag, tl.int32)
@@ -312,11 +317,13 @@ def dispatch_kernel(
     off_pool_x, off_pool_src, off_pool_weight,
     T_MAX, H, R, E_LOC, BM, P,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token-granular pull. Ticket i over (source rank, source token), sources in rank order.
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
     """
+    pdl_enter(PDL)
     pid, nprog, _, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     sv = tl.arange(0, R_PAD)

@@ -25,9 +25,9 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, peer_ptr, peer_ptrs, tl,
-                      to_bf16, triton, wait_at_least)
-from .gemm_fp8 import l1_fp8_block, l2_fp8_acc
+from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
+                      peer_ptrs, tl, to_bf16, triton, wait_at_least)
+from .gemm_fp8 import fp8_descriptors, l1_fp8_block, l2_fp8_acc
 
 
 @triton.jit
@@ -153,11 +153,13 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
-                      SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
-    """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``)."""
+                      SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
+                      a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False):
+    """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
+    USE_TMA: values through ``fp8_descriptors`` (built once per launch)."""
     acc = l2_fp8_acc(mb, nb, meta >> 9, aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
                      aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), w2, w2_s,
-                     H, I, AB, AB // 4, BM, BN, BK)
+                     H, I, AB, AB // 4, BM, BN, BK, a_desc, w_desc, USE_TMA)
     l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
                 off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS,
                 EPI_SPLIT)
@@ -188,10 +190,11 @@ def l1_kernel(
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
+    pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
@@ -332,7 +335,8 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
-                          BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+                          BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
+                          USE_TMA)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
@@ -354,7 +358,7 @@ def l2_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = 1,
+    EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
@@ -362,6 +366,7 @@ def l2_kernel(
     flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
     on every rank (system scope); the staged combine waits for R there."""
+    pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
@@ -372,8 +377,13 @@ def l2_kernel(
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     a_desc = 0
     w_desc = 0
-    if USE_TMA and not FP8:
-        a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
+    if USE_TMA:
+        if FP8:
+            a_desc, w_desc = fp8_descriptors(
+                aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,
+                E_LOC * H, BM, BN, BK)
+        else:
+            a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
     NB = H // BN
     num_m = tl.load(block_start + E_LOC)
     total = num_m * NB

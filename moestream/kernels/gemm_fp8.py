@@ -80,6 +80,20 @@ def quant_rows_128(act, FIX_ROUNDING: tl.constexpr):
     return q, scale
 
 
+@triton.jit
+def fp8_descriptors(x_q, rows, cols, row_stride, w, w_rows, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """Tensor descriptors (TMA) of a GEMM's e4m3 operands: A rows [rows, cols] with row stride
+    ``row_stride`` bytes (the layer's byte rows: a multiple of 16, moestream.config), and the
+    weights [w_rows, cols] (all experts' rows stacked). Tiles [BM, BK] and [BN, BK].
+    The staged L2 uses them (3-13 % faster than pointers at dsv3 dims, session 6)."""
+    a_desc = tl.make_tensor_descriptor(x_q, shape=[rows, cols], strides=[row_stride, 1],
+                                       block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w, shape=[w_rows, cols], strides=[cols, 1],
+                                       block_shape=[BN, BK])
+    return a_desc, w_desc
+
+
 # ---- L1 -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -91,7 +105,9 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     fp8 re-quantization of its BN columns (BN/128 scale groups per row).
     Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE, act_q A_STRIDE, act_scale
     AS_STRIDE (H, H/128, I, I/128 for separate tensors; the layer packs values and scales
-    in one byte row)."""
+    in one byte row). Pointer loads only: with tensor descriptors this block spilled inside
+    its K loop (136-160 B of stack) and ran 1.3-1.5x slower on H200 (benchmarks/NOTES.md,
+    session 6)."""
     KB = H // BK
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
@@ -101,8 +117,14 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
     xs_ptrs = x_scale + rows * XS_STRIDE
-    sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (n // 128) * KB     # [BN], gate rows
-    su_ptrs = sg_ptrs + (I // 128) * KB                                # up rows
+    # BN <= 128: the block's columns share one scale group, so its weight scale per K step is
+    # one scalar instead of a [BN] vector of equal values (fewer registers)
+    ONE_GROUP: tl.constexpr = BN <= 128
+    if ONE_GROUP:
+        sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (nb * BN // 128) * KB   # gate rows
+    else:
+        sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (n // 128) * KB         # [BN]
+    su_ptrs = sg_ptrs + (I // 128) * KB                                      # up rows
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, KB):
@@ -112,8 +134,12 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
         xs = tl.load(xs_ptrs + kb)
         sg = tl.load(sg_ptrs + kb)
         su = tl.load(su_ptrs + kb)
-        acc_g += tl.dot(a, g) * (xs[:, None] * sg[None, :])
-        acc_u += tl.dot(a, u) * (xs[:, None] * su[None, :])
+        if ONE_GROUP:
+            acc_g += tl.dot(a, g) * (xs * sg)[:, None]
+            acc_u += tl.dot(a, u) * (xs * su)[:, None]
+        else:
+            acc_g += tl.dot(a, g) * (xs[:, None] * sg[None, :])
+            acc_u += tl.dot(a, u) * (xs[:, None] * su[None, :])
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
@@ -155,9 +181,11 @@ def l1_fp8_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale
 
 @triton.jit
 def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, a_desc=0, w_desc=0,
+               USE_TMA: tl.constexpr = False):
     """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block, per-K-block scales.
-    Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as ``l1_fp8_block``)."""
+    Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as ``l1_fp8_block``).
+    USE_TMA: value tiles through ``fp8_descriptors`` (act_q's rows, w2 as [E * H, I])."""
     KB = I // BK
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
@@ -166,14 +194,25 @@ def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
     a_ptrs = act_q + rows[:, None] * A_STRIDE + kk[None, :]
     w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
     as_ptrs = act_scale + rows * AS_STRIDE
-    ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB           # [BN]
+    ONE_GROUP: tl.constexpr = BN <= 128   # one weight scale per K step (as l1_fp8_block)
+    if ONE_GROUP:
+        ws_ptrs = w2_s + e64 * (H // 128) * KB + (nb * BN // 128) * KB
+    else:
+        ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB       # [BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, KB):
-        a = tl.load(a_ptrs)
-        w = tl.load(w_ptrs).T
+        if USE_TMA:
+            a = a_desc.load([mb * BM, kb * BK])
+            w = w_desc.load([e * H + nb * BN, kb * BK]).T
+        else:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs).T
         xs = tl.load(as_ptrs + kb)
         ws = tl.load(ws_ptrs + kb)
-        acc += tl.dot(a, w) * (xs[:, None] * ws[None, :])
+        if ONE_GROUP:
+            acc += tl.dot(a, w) * (xs * ws)[:, None]
+        else:
+            acc += tl.dot(a, w) * (xs[:, None] * ws[None, :])
         a_ptrs += BK
         w_ptrs += BK
     return acc
