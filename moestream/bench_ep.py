@@ -20,8 +20,8 @@ Providers, measured in the same run on the same inputs:
                   torch's bf16 output is judged against the fp8 quantization error
                   (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
     fp8-fused-graph  the fp8 layer in the fused launch, replayed from CUDA graphs.
-    staged-nopdl-graph  staged-graph with programmatic dependent launch off (``Tuning.pdl``),
-                  to measure what it saves between the launches.
+    staged-pdl-graph  staged-graph with programmatic dependent launch on (``Tuning.pdl``; the
+                  default is off), to measure what it saves between the launches.
     staged-stages, fp8-staged-stages
                   where the staged call's time goes: each launch timed on the GPU
                   (``stage_times``); the row's time is the whole call's and ``stages_us``
@@ -45,7 +45,7 @@ __all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "plot_stages"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
-             "fp8-staged-stages", "staged-nopdl-graph")
+             "fp8-staged-stages", "staged-pdl-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -241,14 +241,14 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 def ours8(impl):
                     return lambda a: mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8, impl=impl)
 
-                def no_pdl(a):
-                    tuning = replace(stages.Tuning.for_call(buf, a[0].shape[0]), pdl=False)
+                def with_pdl(a):
+                    tuning = replace(stages.Tuning.for_call(buf, a[0].shape[0]), pdl=True)
                     return mega_moe(a[0], a[1], a[2], w13, w2, buf, tuning=tuning)
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
                     "fused": ours("fused"), "fused-graph": ours("fused"),
                     "fp8-staged": ours8("staged"), "fp8-staged-graph": ours8("staged"),
-                    "fp8-fused-graph": ours8("fused"), "staged-nopdl-graph": no_pdl,
+                    "fp8-fused-graph": ours8("fused"), "staged-pdl-graph": with_pdl,
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }

@@ -66,6 +66,14 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),   # TMA loads (session 6)
     GemmVariant("fp8-ptr", 128, replace(_FP8, use_tma=False), "fp8"),   # pointer loads (<= s5)
     GemmVariant("fp8-l1s4", 128, replace(_FP8, use_tma=True, l1_stages=4), "fp8"),
+    # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)
+    GemmVariant("fp8-sm2", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+                                        l2_stages=3), "fp8"),
+    GemmVariant("fp8-sm2s4", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+                                          l2_stages=4), "fp8"),
+    GemmVariant("fp8-sm2-flat", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+                                             l2_stages=3, l2_flat=True), "fp8"),
+    GemmVariant("l2-sm2", 128, replace(_BF16, l2_split_m=2)),
     GemmVariant("fp8-split1", 128, replace(_FP8, l2_epilogue_split=1), "fp8"),
     GemmVariant("fp8-split4", 128, replace(_FP8, l2_epilogue_split=4), "fp8"),
     GemmVariant("fp8-p264", 128, replace(_FP8, l2_epilogue_split=1, programs=264), "fp8"),

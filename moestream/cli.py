@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
                         "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
                         "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
-                        "staged-nopdl-graph (staged-graph without programmatic dependent "
+                        "staged-pdl-graph (staged-graph with programmatic dependent "
                         "launch)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--virtual-ranks", type=int, default=0,

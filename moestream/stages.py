@@ -83,11 +83,16 @@ class Tuning:
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
+    l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
+        an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
+        registers) and several programs per SM, so one program's epilogue overlaps
+        another's loads, as the bf16 L2 does at 128 rows (session 6). Needs l2_signal "rank".
     pdl: launch the staged kernels with programmatic dependent launch (``kernels/_common.
         pdl_enter``): each kernel's programs are placed while the previous kernel finishes and
-        start the moment it completes, instead of after a launch gap. None = on Hopper GPUs;
-        the interpreter ignores it (it has no grid dependencies). The fused launch does not
-        use it.
+        start the moment it completes, instead of after a launch gap (sm_90+; the interpreter
+        ignores it; the fused launch does not use it). Off: measured on 2x H200 it saved at
+        most ~4 µs at 1 token and cost 3-10 % from 128 tokens up (benchmarks/NOTES.md,
+        session 6).
     """
 
     programs: int = 0
@@ -118,7 +123,8 @@ class Tuning:
     l2_signal: str = "rank"
     l2_flat: bool = False
     l2_epilogue_split: int = 1
-    pdl: bool | None = None
+    pdl: bool = False
+    l2_split_m: int = 1
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -192,8 +198,13 @@ class Tuning:
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
         if not isinstance(self.l2_flat, bool):
             raise ValueError(f"Tuning.l2_flat must be a bool, got {self.l2_flat!r}")
-        if self.pdl is not None and not isinstance(self.pdl, bool):
-            raise ValueError(f"Tuning.pdl must be True, False or None, got {self.pdl!r}")
+        if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
+            raise ValueError(f"Tuning.l2_split_m must be 1 or 2, got {self.l2_split_m!r}")
+        if self.l2_split_m > 1 and self.l2_signal != "rank":
+            raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
+                             "m-block cannot release its rows' combine flags)")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"Tuning.pdl must be a bool, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
             raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
                              f"{self.l2_epilogue_split!r}")
@@ -245,8 +256,9 @@ class Tuning:
 
     def launch_pdl(self, buffer: SymmBuffer) -> dict:
         """Launch arguments of a staged kernel: ``{"PDL": True, "launch_pdl": True}`` when
-        programmatic dependent launch is on (``pdl``), else none."""
-        return _pdl_kw(_constants(buffer).hopper if self.pdl is None else self.pdl)
+        programmatic dependent launch is on (``pdl``, on a Hopper or newer GPU), else none."""
+        # a CPU buffer without the interpreter is moestream.aot compiling for sm_90
+        return _pdl_kw(self.pdl and (_constants(buffer).hopper or buffer.device.type != "cuda"))
 
 
 @dataclass(frozen=True)
@@ -497,7 +509,8 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
               FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank",
-              EPI_SPLIT=tuning.l2_epilogue_split, **tuning.launch_pdl(buffer),
+              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=tuning.l2_split_m,
+              **tuning.launch_pdl(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)

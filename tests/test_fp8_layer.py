@@ -218,6 +218,24 @@ def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    stages.Tuning(l2_split_m=2, l2_warps=4, l2_stages=3, use_tma=True, l2_block_n=128,
+                  l2_epilogue_split=2),                       # the 64-row pieces by descriptor
+    stages.Tuning(l2_split_m=2, l2_warps=4, use_tma=False, wait=False, l2_flat=True,
+                  programs=3),                                # by pointers, flat loop
+], ids=["tma", "pointers-flat"])
+def test_fp8_l2_in_row_pieces(device, gen, tuning):
+    # L2 tiles of half an m-block (block_m 32: pieces of 16 rows): two experts per rank get
+    # ~30 rows each, so first pieces are full and second pieces partly filled or empty
+    cfg = fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40)
+    buf = SymmBuffer(cfg, num_ranks=2, device=device)
+    poison(buf)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, [37, 23], gen, device, drop=0.05)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+
+
 def test_fp8_is_close_to_the_bf16_layer(gen):
     # what quantization costs against the unquantized reference (docs/quantization.md: ~6e-2
     # on random data); a scale applied twice or not at all would be far outside

@@ -266,9 +266,14 @@ def test_bad_granularity_names_what_is_allowed(gen):
             stages.Tuning(l2_epilogue_split=bad)
     with pytest.raises(ValueError, match="l2_flat must be a bool"):
         stages.Tuning(l2_flat=1)
-    for bad in (1, "on"):
-        with pytest.raises(ValueError, match="pdl must be True, False or None"):
+    for bad in (1, "on", None):
+        with pytest.raises(ValueError, match="pdl must be a bool"):
             stages.Tuning(pdl=bad)
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="l2_split_m must be 1 or 2"):
+            stages.Tuning(l2_split_m=bad)
+    with pytest.raises(ValueError, match="l2_split_m > 1 needs l2_signal='rank'"):
+        stages.Tuning(l2_split_m=2, l2_signal="rows")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -440,6 +445,25 @@ def test_bad_arguments_name_what_is_wrong(gen):
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     cfg = small_config()
     R, Ts = 2, [21, 10]
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    stages.Tuning(l2_split_m=2, use_tma=True, l2_block_n=64),          # pieces by descriptor
+    stages.Tuning(l2_split_m=2, use_tma=False, wait=False, l2_flat=True, l2_group_m=2,
+                  l2_epilogue_split=2, programs=3),                    # pointers, flat, groups
+], ids=["tma", "pointers-flat-group"])
+def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
+    # L2 tiles of half an m-block (block_m 32: pieces of 16 rows, the least a GPU dot takes);
+    # two experts per rank get ~30 rows each: first pieces full, second ones partly filled
+    cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
+    R, Ts = 2, [37, 23]
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)

@@ -30,8 +30,14 @@ def compiled_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compiled(compiled_rows) -> dict[str, dict]:
-    """The bf16 layer's kernels by name."""
-    return {r["name"]: r for r in compiled_rows if not r["kernel"].endswith(" fp8")}
+    """The bf16 layer's kernels by name (its GPU defaults and fused variants)."""
+    return {r["name"]: r for r in compiled_rows if not r["kernel"].endswith((" fp8", " pdl"))}
+
+
+@pytest.fixture(scope="module")
+def compiled_pdl(compiled_rows) -> dict[str, dict]:
+    """The staged kernels launched with programmatic dependent launch (Tuning.pdl)."""
+    return {r["name"]: r for r in compiled_rows if r["kernel"].endswith(" pdl")}
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +65,17 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
             assert row["stack_bytes"] == 0, row
 
 
-def test_staged_kernels_launch_with_programmatic_dependent_launch(compiled, compiled_fp8):
-    # the GPU defaults (Tuning.pdl on Hopper): every staged kernel is launched with
-    # launch_pdl and starts with griddepcontrol.wait (pdl_enter); the fused kernel is not
+def test_programmatic_dependent_launch_only_when_asked(compiled, compiled_fp8, compiled_pdl):
+    # Tuning.pdl (off by default): every staged kernel is then launched with launch_pdl and
+    # starts with griddepcontrol.wait (pdl_enter); without it, none is
+    assert set(compiled_pdl) == {"source_slots_kernel", "publish_kernel", "signal_kernel",
+                                 "layout_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel",
+                                 "combine_kernel"}
+    for row in compiled_pdl.values():
+        assert row["launch_pdl"] and row["grid_dep_wait"], row
     for rows in (compiled, compiled_fp8):
-        for name, row in rows.items():
-            want = name != "fused_kernel"
-            assert row["launch_pdl"] == want and row["grid_dep_wait"] == want, row
+        for row in rows.values():
+            assert not row["launch_pdl"] and not row["grid_dep_wait"], row
 
 
 def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):

@@ -154,15 +154,17 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                       SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
-                      a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False):
+                      a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
+                      SPLIT_M: tl.constexpr = 1):
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
-    USE_TMA: values through ``fp8_descriptors`` (built once per launch)."""
+    USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
+    block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``)."""
     acc = l2_fp8_acc(mb, nb, meta >> 9, aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
                      aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), w2, w2_s,
-                     H, I, AB, AB // 4, BM, BN, BK, a_desc, w_desc, USE_TMA)
+                     H, I, AB, AB // 4, BM, BN, BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
     l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
                 off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS,
-                EPI_SPLIT)
+                EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
@@ -233,21 +235,25 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
              off_combine_y, off_combine_flag, H, I, T_MAX, R,
              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
-             SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
+             SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
+             SPLIT_M: tl.constexpr = 1):
     """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
-    that completes an m-block (of NB column blocks) releases its rows' combine flags."""
+    that completes an m-block (of NB column blocks) releases its rows' combine flags.
+    SPLIT_M > 1: the block covers row piece ``sub`` (BM / SPLIT_M rows) of the m-block only
+    (a descriptor of that many rows; without SIGNAL_ROWS)."""
     e = meta >> 9
     vm = meta & 511
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    BMT: tl.constexpr = BM // SPLIT_M
+    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
     kk = tl.arange(0, BK)
     cols = tl.arange(0, BN)
     n = nb * BN + cols
     a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
     w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         if USE_TMA:
-            a = a_desc.load([mb * BM, k0])
+            a = a_desc.load([mb * BM + sub * BMT, k0])
             w = w_desc.load([e * H + nb * BN, k0]).T
         else:
             a = tl.load(a_ptrs)
@@ -259,7 +265,7 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
         a_ptrs += BK
         w_ptrs += BK
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
-                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
@@ -282,19 +288,23 @@ def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
 def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
-                SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1):
-    """An L2 block's fp32 tile ``acc`` [BM, BN] (rows of m_block, columns of n_block) into
-    its tokens' combine slots as bf16; with SIGNAL_ROWS, the block that completes an m-block
-    (of NB column blocks) releases its rows' combine flags (without: the caller signals).
+                SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
+                SPLIT_M: tl.constexpr = 1):
+    """An L2 block's fp32 tile ``acc`` [BM / SPLIT_M, BN] (row piece ``sub`` of m_block,
+    columns of n_block) into its tokens' combine slots as bf16; with SIGNAL_ROWS, the block
+    that completes an m-block (of NB column blocks) releases its rows' combine flags (without:
+    the caller signals; SPLIT_M > 1 needs that). vm: valid rows of the whole m-block.
     EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers)."""
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    rv = tl.arange(0, BM) < vm
+    tl.static_assert(SPLIT_M == 1 or not SIGNAL_ROWS, "row pieces need the caller to signal")
+    BMT: tl.constexpr = BM // SPLIT_M
+    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
+    rv = tl.arange(0, BMT) < vm - sub * BMT
     code = tl.load(pool_src + rows, mask=rv, other=0)
     src = code // (T_MAX * K)
     tk = code % (T_MAX * K)                      # token * K + k on the source rank
     if EPI_SPLIT == 4:   # four column quarters (a, b) -> columns (2a + b) * BN / 4 ...
         W: tl.constexpr = BN // 4
-        q = tl.permute(tl.reshape(acc, [BM, 2, 2, W]), (0, 3, 1, 2))   # [BM, W, a, b]
+        q = tl.permute(tl.reshape(acc, [BMT, 2, 2, W]), (0, 3, 1, 2))   # [BMT, W, a, b]
         b0, b1 = tl.split(q)
         q00, q10 = tl.split(b0)
         q01, q11 = tl.split(b1)
@@ -304,7 +314,7 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
         store_slot_rows(q10, tk, src, rv, c0 + 2 * W, table, off_combine_y, H, R, FIX_ROUNDING)
         store_slot_rows(q11, tk, src, rv, c0 + 3 * W, table, off_combine_y, H, R, FIX_ROUNDING)
     elif EPI_SPLIT == 2:   # two column halves: half the registers for offsets and values
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, [BMT, 2, BN // 2]), (0, 2, 1)))
         store_slot_rows(lo, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
         store_slot_rows(hi, tk, src, rv, nb * BN + BN // 2, table, off_combine_y, H, R,
                         FIX_ROUNDING)
@@ -329,18 +339,18 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
-                    EPI_SPLIT: tl.constexpr, FP8: tl.constexpr):
+                    EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
-    rows, or ``l2_block``)."""
+    rows, or ``l2_block``), row piece ``sub`` of SPLIT_M."""
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
-                          USE_TMA)
+                          USE_TMA, sub, SPLIT_M)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
-                 USE_TMA, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT)
+                 USE_TMA, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
@@ -358,10 +368,12 @@ def l2_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
 ):
     """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
+    SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
+    their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
     RANK_SIGNAL: instead of counting every tile per m-block and releasing each row's combine
     flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
@@ -377,15 +389,16 @@ def l2_kernel(
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     a_desc = 0
     w_desc = 0
+    BMT: tl.constexpr = BM // SPLIT_M
     if USE_TMA:
         if FP8:
             a_desc, w_desc = fp8_descriptors(
                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,
-                E_LOC * H, BM, BN, BK)
+                E_LOC * H, BMT, BN, BK)
         else:
-            a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN, BK)
+            a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
     NB = H // BN
-    num_m = tl.load(block_start + E_LOC)
+    num_m = tl.load(block_start + E_LOC) * SPLIT_M   # row pieces (m-blocks when SPLIT_M = 1)
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
@@ -393,17 +406,21 @@ def l2_kernel(
         # no waits: one flat loop over (tile, k step), which Triton's pipeliner can prefetch
         # across tiles (the next tile's first loads overlap this tile's epilogue)
         for t in tl.range(pid, total, nprog, flatten=True):
-            mb, nb = grouped_tile(t, num_m, NB, GROUP_M)
+            pm, nb = grouped_tile(t, num_m, NB, GROUP_M)
+            mb = pm // SPLIT_M
             l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, rank, l2_done,
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
-                            UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8)
+                            UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
+                            pm % SPLIT_M, SPLIT_M)
         ticket = total
-    mb, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
-    meta = tl.load(block_meta + mb, mask=ticket < total, other=0)
+    pm, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
+    meta = tl.load(block_meta + pm // SPLIT_M, mask=ticket < total, other=0)
     while (ticket < total) & ok:
-        mb_next, nb_next = grouped_tile(ticket + nprog, num_m, NB, GROUP_M)
-        meta_next = tl.load(block_meta + mb_next, mask=ticket + nprog < total, other=0)
+        pm_next, nb_next = grouped_tile(ticket + nprog, num_m, NB, GROUP_M)
+        meta_next = tl.load(block_meta + pm_next // SPLIT_M, mask=ticket + nprog < total,
+                            other=0)
+        mb = pm // SPLIT_M
         if WAIT:
             ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
                                rank, mb, epoch, -1, SCOPE="gpu",
@@ -412,8 +429,8 @@ def l2_kernel(
             l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
-                            not RANK_SIGNAL, EPI_SPLIT, FP8)
-        mb = mb_next
+                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M)
+        pm = pm_next
         nb = nb_next
         meta = meta_next
         ticket += nprog

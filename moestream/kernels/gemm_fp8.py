@@ -182,12 +182,14 @@ def l1_fp8_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale
 @triton.jit
 def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, a_desc=0, w_desc=0,
-               USE_TMA: tl.constexpr = False):
-    """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block, per-K-block scales.
-    Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as ``l1_fp8_block``).
-    USE_TMA: value tiles through ``fp8_descriptors`` (act_q's rows, w2 as [E * H, I])."""
+               USE_TMA: tl.constexpr = False, sub=0, SPLIT_M: tl.constexpr = 1):
+    """fp32 [BM / SPLIT_M, BN] = rows of m_block (row piece ``sub``) @ w2[e]^T, columns of
+    n_block, per-K-block scales. Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE
+    (as ``l1_fp8_block``). USE_TMA: value tiles through ``fp8_descriptors`` (act_q's rows
+    in pieces of BM / SPLIT_M, w2 as [E * H, I])."""
     KB = I // BK
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    BMT: tl.constexpr = BM // SPLIT_M
+    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
@@ -199,10 +201,10 @@ def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
         ws_ptrs = w2_s + e64 * (H // 128) * KB + (nb * BN // 128) * KB
     else:
         ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB       # [BN]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for kb in range(0, KB):
         if USE_TMA:
-            a = a_desc.load([mb * BM, kb * BK])
+            a = a_desc.load([mb * BM + sub * BMT, kb * BK])
             w = w_desc.load([e * H + nb * BN, kb * BK]).T
         else:
             a = tl.load(a_ptrs)
