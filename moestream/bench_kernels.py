@@ -44,6 +44,7 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
 # Variants of the sweeps recorded in benchmarks/NOTES.md (earlier sweeps there too).
 _BF16 = replace(stages.Tuning.hopper(128), use_tma=True)
 _FP8 = stages.Tuning.hopper(128, "fp8")
+_FP8_S5 = replace(_FP8, l2_split_m=1, l2_warps=8, l2_stages=4, l2_flat=False)
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper(128): L2 128x128 4w3s, flat, 1/4
     # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
@@ -62,27 +63,31 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     # 64-wide L1 blocks at the default's 8 warps / 4 stages (what Tuning.for_call picks when a
     # call's tiles would leave a second round of programs mostly idle; decode)
     GemmVariant("l1n64", 128, replace(_BF16, l1_block_n=64)),
-    # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"))
-    GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),   # TMA loads (session 6)
-    GemmVariant("fp8-ptr", 128, replace(_FP8, use_tma=False), "fp8"),   # pointer loads (<= s5)
-    GemmVariant("fp8-l1s4", 128, replace(_FP8, use_tma=True, l1_stages=4), "fp8"),
+    # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"):
+    # since session 6 the L2 in 64-row pieces, 4 warps, flat); the variants after "fp8-s5"
+    # change session 5's default (_FP8_S5: one 8-warp 128-row L2 program per SM)
+    GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),
+    GemmVariant("fp8-s5", 128, replace(_FP8_S5, use_tma=True), "fp8"),
+    GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
+    GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
     # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)
-    GemmVariant("fp8-sm2", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+    GemmVariant("fp8-sm2", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
                                         l2_stages=3), "fp8"),
-    GemmVariant("fp8-sm2s4", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+    GemmVariant("fp8-sm2s4", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
                                           l2_stages=4), "fp8"),
-    GemmVariant("fp8-sm2-flat", 128, replace(_FP8, use_tma=True, l2_split_m=2, l2_warps=4,
+    GemmVariant("fp8-sm2-flat", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
                                              l2_stages=3, l2_flat=True), "fp8"),
     GemmVariant("l2-sm2", 128, replace(_BF16, l2_split_m=2)),
-    GemmVariant("fp8-split1", 128, replace(_FP8, l2_epilogue_split=1), "fp8"),
-    GemmVariant("fp8-split4", 128, replace(_FP8, l2_epilogue_split=4), "fp8"),
-    GemmVariant("fp8-p264", 128, replace(_FP8, l2_epilogue_split=1, programs=264), "fp8"),
-    GemmVariant("fp8-l2n64", 128, replace(_FP8, l2_block_n=64, l2_warps=4, l2_stages=4), "fp8"),
-    GemmVariant("fp8-l2n64-flat", 128, replace(_FP8, l2_block_n=64, l2_warps=4, l2_stages=4,
-                                               l2_flat=True), "fp8"),
-    GemmVariant("fp8-s4", 128, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
-    GemmVariant("fp8-flat", 128, replace(_FP8, l2_flat=True), "fp8"),
-    GemmVariant("fp8-m64", 64, replace(_FP8, l1_stages=4, l2_stages=4), "fp8"),
+    GemmVariant("fp8-split1", 128, replace(_FP8_S5, l2_epilogue_split=1), "fp8"),
+    GemmVariant("fp8-split4", 128, replace(_FP8_S5, l2_epilogue_split=4), "fp8"),
+    GemmVariant("fp8-p264", 128, replace(_FP8_S5, l2_epilogue_split=1, programs=264), "fp8"),
+    GemmVariant("fp8-l2n64", 128, replace(_FP8_S5, l2_block_n=64, l2_warps=4, l2_stages=4),
+                "fp8"),
+    GemmVariant("fp8-l2n64-flat", 128, replace(_FP8_S5, l2_block_n=64, l2_warps=4,
+                                               l2_stages=4, l2_flat=True), "fp8"),
+    GemmVariant("fp8-s4", 128, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
+    GemmVariant("fp8-flat", 128, replace(_FP8_S5, l2_flat=True), "fp8"),
+    GemmVariant("fp8-m64", 64, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
 ]}
 
 
