@@ -136,11 +136,15 @@ class Tuning:
         fp8: 128-wide L1 and L2 blocks (K steps of 128, one scale block each); L1 8 warps,
         3 stages (session 4); L2 in 64-row pieces with 4 warps, 3 stages and a flat loop, two
         programs per SM, the epilogue in two halves (session 6: 1-22 % faster than the 8-warp
-        128-row tile, most at qwen3's short K)."""
+        128-row tile, most at qwen3's short K). Smaller fp8 m-blocks keep that 8-warp tile
+        (4 stages; the pieces were measured at block_m 128 only)."""
         if dtype == "fp8":
-            return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=3, l1_block_n=128,
-                       l2_block_n=128, l2_epilogue_split=2, l2_split_m=2, l2_flat=True,
-                       wait=False)
+            if block_m >= 128:
+                return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=3, l1_block_n=128,
+                           l2_block_n=128, l2_epilogue_split=2, l2_split_m=2, l2_flat=True,
+                           wait=False)
+            return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=4, l1_block_n=128,
+                       l2_block_n=128, l2_epilogue_split=2, wait=False)
         if block_m >= 128:
             return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=3, l1_block_n=128,
                        l1_block_k=64, l2_block_n=128, l2_block_k=64, l2_flat=True,
