@@ -261,7 +261,7 @@ class Tuning:
     def tma(self, buffer: SymmBuffer) -> bool:
         return _constants(buffer).hopper if self.use_tma is None else self.use_tma
 
-    def launch_pdl(self, buffer: SymmBuffer) -> dict:
+    def pdl_args(self, buffer: SymmBuffer) -> dict:
         """Launch arguments of a staged kernel: ``{"PDL": True, "launch_pdl": True}`` when
         programmatic dependent launch is on (``pdl``, on a Hopper or newer GPU), else none."""
         # a CPU buffer without the interpreter is moestream.aot compiling for sm_90
@@ -408,7 +408,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
-    pdl = tuning.launch_pdl(buffer)
+    pdl = tuning.pdl_args(buffer)
     counts, slot = pick_slots(topk_idx, cfg.num_experts, tuning=tuning, pdl=bool(pdl))
     T = x.shape[0]
     BT = 8
@@ -428,7 +428,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
 def signal(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     off = _constants(buffer).off
     _dispatch.signal_kernel[(buffer.local_ranks,)](buffer.table, buffer.rank0, off["off_epoch"],
-                                                   off["off_ready"], **tuning.launch_pdl(buffer))
+                                                   off["off_ready"], **tuning.pdl_args(buffer))
 
 
 def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -443,7 +443,7 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
         R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256, USE_TIMER=not INTERPRET,
-        **tuning.launch_pdl(buffer))
+        **tuning.pdl_args(buffer))
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -458,7 +458,7 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **tuning.launch_pdl(buffer),
+        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **tuning.pdl_args(buffer),
         **_launch_kw(tuning.copy_warps))
 
 
@@ -489,7 +489,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, **tuning.launch_pdl(buffer),
+              USE_TIMER=not INTERPRET, FP8=fp8, **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)
@@ -517,7 +517,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
               FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank",
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=tuning.l2_split_m,
-              **tuning.launch_pdl(buffer),
+              **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)
@@ -539,7 +539,7 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        **tuning.launch_pdl(buffer), **_launch_kw(tuning.copy_warps))
+        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
