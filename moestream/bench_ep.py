@@ -20,8 +20,11 @@ Providers, measured in the same run on the same inputs:
                   torch's bf16 output is judged against the fp8 quantization error
                   (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
     fp8-fused-graph  the fp8 layer in the fused launch, replayed from CUDA graphs.
-    staged-pdl-graph  staged-graph with programmatic dependent launch on (``Tuning.pdl``; the
-                  default is off), to measure what it saves between the launches.
+    staged-tuned-graph, fp8-staged-tuned-graph
+                  staged-graph / fp8-staged-graph with ``stages.Tuning`` fields overridden
+                  (``tuning=``, CLI ``--tuning pdl=true,l1_block_n=128``) on top of each
+                  call's defaults, so one run compares a launch option with the default on the
+                  same inputs; rows carry the overrides under ``tuning``.
     staged-stages, fp8-staged-stages
                   where the staged call's time goes: each launch timed on the GPU
                   (``stage_times``); the row's time is the whole call's and ``stages_us``
@@ -41,11 +44,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "plot_stages"]
+__all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "plot_stages", "parse_tuning"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
-             "fp8-staged-stages", "staged-pdl-graph")
+             "fp8-staged-stages", "staged-tuned-graph", "fp8-staged-tuned-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -68,12 +71,55 @@ def _granularity(provider: str) -> int | str | None:
                      f"or chunkexpert, got {provider!r}")
 
 
-def check_providers(providers: Sequence[str]) -> None:
-    """ValueError naming any provider this benchmark does not know."""
+def _tuned(provider: str) -> bool:
+    """Providers that run with ``tuning`` overrides."""
+    return provider.endswith("-tuned-graph")
+
+
+def check_providers(providers: Sequence[str], tuning: dict | None = None) -> None:
+    """ValueError naming any provider this benchmark does not know, or a tuned provider
+    without overrides (``tuning``)."""
     unknown = [p for p in providers if p not in PROVIDERS and _granularity(p) is None]
     if unknown:
         raise ValueError(f"unknown providers {unknown}; known: {PROVIDERS} and chunk<C>, "
                          "chunkexpert")
+    tuned = [p for p in providers if _tuned(p)]
+    if tuned and not tuning:
+        raise ValueError(f"{tuned} need Tuning overrides (tuning=, CLI --tuning "
+                         "name=value,...); without them they equal staged-graph")
+
+
+def parse_tuning(text: str) -> dict:
+    """``"pdl=true,l1_block_n=128"`` -> ``{"pdl": True, "l1_block_n": 128}``: fields of
+    ``stages.Tuning`` with values true/false, none, integers or words; checked by building a
+    Tuning with them (its ValueErrors name what is allowed)."""
+    from dataclasses import fields
+
+    from .stages import Tuning
+    names = {f.name for f in fields(Tuning)}
+    out: dict = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, eq, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not eq or not raw:
+            raise ValueError(f"tuning override {item!r} must be name=value")
+        if name not in names:
+            raise ValueError(f"unknown Tuning field {name!r}; fields: {sorted(names)}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                value = raw
+        out[name] = value
+    Tuning(**out)
+    return out
 
 
 def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
@@ -205,7 +251,7 @@ def _capture(sets, fn) -> list:
 
 def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
                     providers: Sequence[str], reps: int, warmup: int, skew: float | None,
-                    seed: int) -> list[dict]:
+                    seed: int, tuning: dict | None = None) -> list[dict]:
     """Runs on every rank (spawned, one per GPU). Returns rank 0's rows (others: [])."""
     import torch.distributed as dist
 
@@ -241,14 +287,17 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 def ours8(impl):
                     return lambda a: mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8, impl=impl)
 
-                def with_pdl(a):
-                    tuning = replace(stages.Tuning.for_call(buf, a[0].shape[0]), pdl=True)
-                    return mega_moe(a[0], a[1], a[2], w13, w2, buf, tuning=tuning)
+                def tuned(b, ws):
+                    def call(a):
+                        t = replace(stages.Tuning.for_call(b, a[0].shape[0]), **tuning)
+                        return mega_moe(a[0], a[1], a[2], ws[0], ws[1], b, tuning=t)
+                    return call
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
                     "fused": ours("fused"), "fused-graph": ours("fused"),
                     "fp8-staged": ours8("staged"), "fp8-staged-graph": ours8("staged"),
-                    "fp8-fused-graph": ours8("fused"), "staged-pdl-graph": with_pdl,
+                    "fp8-fused-graph": ours8("fused"), "staged-tuned-graph": tuned(buf, (w13, w2)),
+                    "fp8-staged-tuned-graph": tuned(buf8, w8 or (None, None)),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }
@@ -305,6 +354,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             routing="skewed" if skew else "uniform",
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < bound),
+                            **({"tuning": dict(tuning)} if _tuned(p) else {}),
                             **({"stages_us": stats["stages_us"]} if "stages_us" in stats
                                else {})))
                         progress.console.print(
@@ -389,10 +439,11 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
 def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
                  providers: Sequence[str] = PROVIDERS, world: int | None = None, reps: int = 20,
                  warmup: int = 5, skew: float | None = None, seed: int = 0,
-                 timeout_s: float = 3000) -> list[dict]:
-    """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank)."""
+                 timeout_s: float = 3000, tuning: dict | None = None) -> list[dict]:
+    """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank).
+    ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``)."""
     from .distributed import spawn
-    check_providers(providers)
+    check_providers(providers, tuning)
     world = world or torch.cuda.device_count()
     if world < 1:
         raise ValueError("the EP benchmark needs at least one CUDA GPU")
@@ -400,7 +451,8 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     main = [p for p in providers if p != "torch-symm"]
     if main:
         rows += spawn(bench_ep_worker, world_size=world, backend="nccl",
-                      args=(list(shapes), list(tokens), main, reps, warmup, skew, seed),
+                      args=(list(shapes), list(tokens), main, reps, warmup, skew, seed,
+                            dict(tuning or {})),
                       timeout_s=timeout_s)[0]
     if "torch-symm" in providers:
         rows += spawn(bench_symm_worker, world_size=world, backend="nccl",

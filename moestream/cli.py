@@ -259,9 +259,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cols = ["shape", "kernel", "tokens_per_expert", "provider", "median_us",
                 "tflops_per_gpu", "weight_tbps", "efficiency", "l1_rel_error"]
     else:
-        from .bench_ep import run_ep_bench
+        from .bench_ep import parse_tuning, run_ep_bench
+        try:
+            tuning = parse_tuning(args.tuning)
+        except ValueError as e:
+            con.print(f"[red]--tuning: {e}[/]")
+            return 2
         rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens, providers=args.providers,
-                            reps=args.reps, skew=args.skew)
+                            reps=args.reps, skew=args.skew, tuning=tuning)
         out = out or f"benchmarks/results/ep_{torch.cuda.device_count()}gpu.jsonl"
         cols = ["shape", "tokens_per_rank", "provider", "median_us", "p20_us", "p80_us",
                 "tflops_per_gpu", "link_gbps", "floor_us", "efficiency", "rel_diff_vs_torch"]
@@ -388,9 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
                         "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
                         "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
-                        "staged-pdl-graph (staged-graph with programmatic dependent "
-                        "launch)")
+                        "staged-tuned-graph, fp8-staged-tuned-graph (with --tuning)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
+    b.add_argument("--tuning", default="",
+                   help="stages.Tuning overrides of the *-tuned-graph providers, e.g. "
+                        "pdl=true,l1_block_n=128 (on top of each call's defaults)")
     b.add_argument("--virtual-ranks", type=int, default=0,
                    help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")
     b.add_argument("--tokens-per-expert", type=_ints, default=[16, 128, 512, 2048])

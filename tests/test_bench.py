@@ -228,6 +228,25 @@ def test_stage_providers_and_plot(tmp_path):
                     tmp_path / "none.png")
 
 
+def test_tuned_providers_and_their_overrides():
+    # the *-tuned-graph providers run staged calls with stages.Tuning fields overridden;
+    # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
+    from moestream.bench_ep import _dtype, _replayed, check_providers, parse_tuning
+    assert parse_tuning("pdl=true, l1_block_n=128,l2_signal=rows,use_tma=None") == {
+        "pdl": True, "l1_block_n": 128, "l2_signal": "rows", "use_tma": None}
+    assert parse_tuning("") == {}
+    check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"pdl": True})
+    assert _replayed("staged-tuned-graph") and _dtype("fp8-staged-tuned-graph") == "fp8"
+    with pytest.raises(ValueError, match="need Tuning overrides"):
+        check_providers(["staged-graph", "staged-tuned-graph"])
+    for text, match in [("l1_blok_n=128", "unknown Tuning field 'l1_blok_n'"),
+                        ("pdl", "must be name=value"), ("l2_split_m=", "must be name=value"),
+                        ("l2_split_m=3", "l2_split_m must be 1 or 2"),
+                        ("pdl=yes", "pdl must be a bool")]:
+        with pytest.raises(ValueError, match=match):
+            parse_tuning(text)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_stage_times_on_one_gpu():
