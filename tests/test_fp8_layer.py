@@ -183,6 +183,16 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
         check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(Ts))
 
 
+def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1) -> None:
+    """One fp8 staged call with ``tuning`` on len(Ts) virtual ranks against the quantized
+    reference, buffer poisoned first."""
+    buf = SymmBuffer(cfg, num_ranks=len(Ts), device=device)
+    poison(buf)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     stages.Tuning(l2_block_n=128, l2_epilogue_split=2),             # the GPU default's epilogue
@@ -191,12 +201,7 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
 ], ids=["split2", "split4-flat"])
 def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
     # the L2 tile stored in column pieces (and the flat tile loops) writes the same slots
-    cfg = fp8_config(num_experts=6)
-    buf = SymmBuffer(cfg, num_ranks=2, device=device)
-    poison(buf)
-    xs, idxs, ws, w13q, w2q = make_case(cfg, [19, 7], gen, device, drop=0.1)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
-    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+    check_tuned_fp8_layer(fp8_config(num_experts=6), [19, 7], tuning, gen, device)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -210,12 +215,7 @@ def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
     # the staged fp8 L2 reads pool_act's byte rows (values, then scales: AB bytes per row)
     # and w2 through TMA descriptors or pointers: the same slots either way; R = 3 with T not
     # a multiple of BM and a rank with one token, so descriptor rows cross experts
-    cfg = fp8_config(num_experts=9)
-    buf = SymmBuffer(cfg, num_ranks=3, device=device)
-    poison(buf)
-    xs, idxs, ws, w13q, w2q = make_case(cfg, [21, 1, 12], gen, device, drop=0.1)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
-    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+    check_tuned_fp8_layer(fp8_config(num_experts=9), [21, 1, 12], tuning, gen, device)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -228,12 +228,8 @@ def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
 def test_fp8_l2_in_row_pieces(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows): two experts per rank get
     # ~30 rows each, so first pieces are full and second pieces partly filled or empty
-    cfg = fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40)
-    buf = SymmBuffer(cfg, num_ranks=2, device=device)
-    poison(buf)
-    xs, idxs, ws, w13q, w2q = make_case(cfg, [37, 23], gen, device, drop=0.05)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
-    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+    check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
+                          [37, 23], tuning, gen, device, drop=0.05)
 
 
 def test_fp8_is_close_to_the_bf16_layer(gen):

@@ -27,10 +27,10 @@ from moestream.aot import SM90_SHARED_LIMIT
 from moestream.fp4 import l1_fp4w, l2_fp4w, pack_block_meta
 from moestream.kernels._common import tl, triton
 from moestream.kernels.gemm_fp4 import decode_e2m1_to_e4m3, e8m0_to_fp32
+from quant_pool import block_meta, check_act, check_l2_rows, dq_act, make_pool, to_device
 from moestream.quant import (
     E2M1_VALUES,
     convert_expert_weights_mxfp4,
-    dequantize_act_fp8,
     dequantize_weight_mxfp4,
     quantize_act_fp8,
 )
@@ -52,32 +52,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:All-NaN slice encountered:Runti
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
-def _ulp_e4m3(v: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -9))).clamp_min(-6)
-    return torch.exp2(e - 3)
 
 
-def _valid_mask(blocks, bm):
-    m = torch.zeros(len(blocks) * bm, dtype=torch.bool)
-    for b, (_, v) in enumerate(blocks):
-        m[b * bm: b * bm + v] = True
-    return m
-
-
-def _meta(blocks):
-    return pack_block_meta([e for e, _ in blocks], [v for _, v in blocks])
-
-
-def _pool(gen, blocks, bm, k_dim, scale=1.0):
-    """fp8 rows [P, k_dim] + scales; valid rows quantized from randn, padding rows garbage
-    (random bytes, NaN scales): they must not leak into valid rows."""
-    P = len(blocks) * bm
-    q, s = quantize_act_fp8(torch.randn(P, k_dim, generator=gen) * scale)
-    valid = _valid_mask(blocks, bm)
-    junk = torch.randint(0, 0x7F, (P, k_dim), generator=gen, dtype=U8).view(F8)
-    q[~valid] = junk[~valid]
-    s[~valid] = float("nan")
-    return q, s, valid
 
 
 def _spread_exponents(w: torch.Tensor, gen) -> torch.Tensor:
@@ -100,9 +76,6 @@ def _weights(gen, bf16=False, spread=False, i_dim=I):
     return w13, w2, convert_expert_weights_mxfp4(w13, w2)
 
 
-def _dq_act(q, s, rows):
-    return dequantize_act_fp8(q[rows], s[rows], out_dtype=torch.float64)
-
 
 def _l1_reference(xq, xs, w, pool_w, blocks, bm):
     """fp64 act = silu(x @ gate^T) * (x @ up^T) * weight on valid rows (else 0)."""
@@ -113,25 +86,12 @@ def _l1_reference(xq, xs, w, pool_w, blocks, bm):
         if v == 0:
             continue
         rows = slice(b * bm, b * bm + v)
-        h = _dq_act(xq, xs, rows) @ w13[e].T
+        h = dq_act(xq, xs, rows) @ w13[e].T
         g, u = h[:, :i_dim], h[:, i_dim:]
         act[rows] = g * torch.sigmoid(g) * u * pool_w[rows].double()[:, None]
     return act
 
 
-def _to(dev, *ts):
-    return [t.to(dev) for t in ts]
-
-
-def _check_act(out_q, out_s, act, valid):
-    """The re-quantized activation against quantize_act_fp8 of the fp64 one."""
-    ref_q, ref_s = quantize_act_fp8(act[valid])
-    got_s = out_s[valid]
-    assert torch.allclose(got_s, ref_s, rtol=4e-6, atol=0), (got_s / ref_s - 1).abs().max()
-    gq, rq = out_q[valid].float(), ref_q.float()
-    diff = (gq - rq).abs()
-    assert bool((diff <= torch.maximum(_ulp_e4m3(gq), _ulp_e4m3(rq))).all()), diff.max()
-    assert (diff > 0).float().mean() < 0.01
 
 
 # ---- decode ---------------------------------------------------------------------------------
@@ -151,7 +111,7 @@ def test_decode_e2m1_and_e8m0_exact():
     e8m0 = torch.arange(256, dtype=torch.int32).to(U8)
     out = torch.full((16,), NAN8, dtype=U8).view(F8)
     scale = torch.full((256,), -1.0)
-    args = _to(DEV, codes, out, e8m0, scale)
+    args = to_device(DEV, codes, out, e8m0, scale)
     _decode_kernel[(1,)](*args)
     out, scale = args[1].cpu(), args[3].cpu()
     want = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
@@ -166,14 +126,15 @@ def test_decode_e2m1_and_e8m0_exact():
 
 @pytest.mark.parametrize("block_n", [128, 256])
 def test_l1_matches_quantized_reference(gen, block_n):
-    xq, xs, valid = _pool(gen, BLOCKS, BM, H)
+    xq, xs, valid = make_pool(gen, BLOCKS, BM, H)
     _, _, w = _weights(gen)
     P = xq.shape[0]
     pool_w = torch.rand(P, generator=gen) + 0.1
     pool_w[~valid] = float("nan")
     act_q = torch.full((P, I), NAN8, dtype=U8).view(F8)              # poison
     act_s = torch.full((P, I // 128), float("nan"))
-    args = _to(DEV, xq, xs, _meta(BLOCKS), w["w13"], w["w13_scale"], pool_w, act_q, act_s)
+    args = to_device(DEV, xq, xs, block_meta(BLOCKS), w["w13"], w["w13_scale"], pool_w, act_q,
+                     act_s)
     out_q, out_s = l1_fp4w(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
                            w13_packed=args[3], w13_scale=args[4], pool_weight=args[5],
                            act_q=args[6], act_scale=args[7], block_m=BM, block_n=block_n)
@@ -185,7 +146,7 @@ def test_l1_matches_quantized_reference(gen, block_n):
     assert not bool((out_q[valid].view(U8) & 0x7F == 0x7F).any())
     assert bool(torch.isfinite(out_s[valid]).all())
     act = _l1_reference(xq, xs, w, pool_w, BLOCKS, BM)
-    _check_act(out_q, out_s, act, valid)
+    check_act(out_q, out_s, act, valid)
 
 
 def test_l1_zero_rows_and_spread_exponents(gen):
@@ -193,20 +154,20 @@ def test_l1_zero_rows_and_spread_exponents(gen):
     weights whose 32-blocks have exponents 36 binades apart and all-zero blocks (E8M0 code 0)
     stay exact (the per-k=32 scaling); expert 2 has no block; I = 128 (one scale group)."""
     blocks = [(0, 16), (1, 3)]
-    xq, xs, valid = _pool(gen, blocks, BM, H)
+    xq, xs, valid = make_pool(gen, blocks, BM, H)
     xq[:4] = torch.zeros(4, H, dtype=F8)           # rows 0..3: zero input -> zero activation
     _, _, w = _weights(gen, spread=True, i_dim=128)
     assert bool((w["w13_scale"] == 0).any())
     P = xq.shape[0]
     pool_w = torch.rand(P, generator=gen)
     pool_w[4] = 0.0                                  # row 4: zero topk weight
-    args = _to(DEV, xq, xs, _meta(blocks), w["w13"], w["w13_scale"], pool_w)
+    args = to_device(DEV, xq, xs, block_meta(blocks), w["w13"], w["w13_scale"], pool_w)
     q, s = l1_fp4w(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
                    w13_packed=args[3], w13_scale=args[4], pool_weight=args[5], block_m=BM)
     q, s = q.cpu(), s.cpu()
     assert bool((s[:5] == 2.0 ** -126).all())
     assert bool((q[:5].float() == 0).all())
-    _check_act(q, s, _l1_reference(xq, xs, w, pool_w, blocks, BM), valid)
+    check_act(q, s, _l1_reference(xq, xs, w, pool_w, blocks, BM), valid)
 
 
 # ---- L2 -------------------------------------------------------------------------------------
@@ -217,11 +178,11 @@ def test_l1_zero_rows_and_spread_exponents(gen):
     (torch.float32, 256, True),      # exponents 36 binades apart + all-zero blocks in a step
 ])
 def test_l2_matches_quantized_reference(gen, out_dtype, block_n, spread):
-    aq, as_, valid = _pool(gen, BLOCKS, BM, I, scale=0.3)
+    aq, as_, valid = make_pool(gen, BLOCKS, BM, I, scale=0.3)
     _, _, w = _weights(gen, spread=spread)
     P = aq.shape[0]
     y = torch.full((P, H), float("nan"), dtype=out_dtype)           # poison
-    args = _to(DEV, aq, as_, _meta(BLOCKS), w["w2"], w["w2_scale"], y)
+    args = to_device(DEV, aq, as_, block_meta(BLOCKS), w["w2"], w["w2_scale"], y)
     out = l2_fp4w(act_q=args[0], act_scale=args[1], block_meta=args[2], w2_packed=args[3],
                   w2_scale=args[4], y=args[5], block_m=BM, block_n=block_n)
     assert out.data_ptr() == args[5].data_ptr()
@@ -229,19 +190,7 @@ def test_l2_matches_quantized_reference(gen, out_dtype, block_n, spread):
     assert bool(out[~valid].isnan().all())
     assert bool(torch.isfinite(out[valid]).all())
     w2 = dequantize_weight_mxfp4(w["w2"], w["w2_scale"], out_dtype=torch.float64)
-    for b, (e, v) in enumerate(BLOCKS):
-        if v == 0:
-            continue
-        rows = slice(b * BM, b * BM + v)
-        a = _dq_act(aq, as_, rows)
-        ref = a @ w2[e].T
-        bound = 1e-5 * (a.abs() @ w2[e].abs().T)
-        if out_dtype == torch.bfloat16:
-            bound = bound + 2.0 ** -8 * ref.abs()
-        err = (out[rows].double() - ref).abs()
-        assert bool((err <= bound).all()), (err / bound).max()
-        if out_dtype == torch.float32:
-            assert (err.norm() / ref.norm()) < 1e-5
+    check_l2_rows(out, aq, as_, w2, BLOCKS, BM, out_dtype)
 
 
 # ---- packed byte rows (the layer's layout) --------------------------------------------------
@@ -260,11 +209,11 @@ def test_packed_byte_rows_match_separate_tensors(gen):
     """L1 reads x from packed byte rows and writes act into packed byte rows; L2 reads them:
     the bytes equal those of the separate-tensor launches (the kernels only see strides)."""
     blocks = [(1, 16), (0, 7), (2, 0)]
-    xq, xs, valid = _pool(gen, blocks, BM, H)
+    xq, xs, valid = make_pool(gen, blocks, BM, H)
     _, _, w = _weights(gen)
     pool_w = torch.rand(xq.shape[0], generator=gen)
-    xq, xs, meta, w13, w13s, w2, w2s, pool_w = _to(
-        DEV, xq, xs, _meta(blocks), w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], pool_w)
+    xq, xs, meta, w13, w13s, w2, w2s, pool_w = to_device(
+        DEV, xq, xs, block_meta(blocks), w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], pool_w)
     kw1 = dict(block_meta=meta, w13_packed=w13, w13_scale=w13s, pool_weight=pool_w, block_m=BM)
     ref_q, ref_s = l1_fp4w(pool_x_q=xq, pool_x_scale=xs, **kw1)
     _, xq_v, xs_v = _byte_rows(xq, xs)
@@ -309,7 +258,8 @@ def test_l1_l2_against_moe_forward_fp4w(gen):
     for r, tk in enumerate(src):
         if tk is not None:
             pq[r], ps[r], pw[r] = xq[tk[0]], xsc[tk[0]], tw[tk]
-    a = _to(DEV, pq, ps, _meta(blocks), w["w13"], w["w13_scale"], pw, w["w2"], w["w2_scale"])
+    a = to_device(DEV, pq, ps, block_meta(blocks), w["w13"], w["w13_scale"], pw, w["w2"],
+                  w["w2_scale"])
     aq, asc = l1_fp4w(pool_x_q=a[0], pool_x_scale=a[1], block_meta=a[2], w13_packed=a[3],
                       w13_scale=a[4], pool_weight=a[5], block_m=bm)
     yr = l2_fp4w(act_q=aq, act_scale=asc, block_meta=a[2], w2_packed=a[6], w2_scale=a[7],

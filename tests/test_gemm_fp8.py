@@ -25,6 +25,8 @@ import torch
 
 from moestream.aot import SM90_SHARED_LIMIT
 from moestream.fp8 import l1_fp8, l2_fp8, pack_block_meta
+from quant_pool import (block_meta, check_act, check_l2_rows, dq_act, make_pool, to_device,
+                        ulp_e4m3)
 from moestream.quant import (convert_expert_weights_fp8, dequantize_act_fp8,
                              dequantize_weight_fp8_blocks, quantize_act_fp8)
 
@@ -41,29 +43,7 @@ NAN8 = 0x7F   # e4m3fn's NaN code: the poison of fp8 outputs
 pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 
 
-def _ulp_e4m3(v: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -9))).clamp_min(-6)
-    return torch.exp2(e - 3)
 
-
-def _valid_mask(blocks, bm):
-    m = torch.zeros(len(blocks) * bm, dtype=torch.bool)
-    for b, (_, v) in enumerate(blocks):
-        m[b * bm: b * bm + v] = True
-    return m
-
-
-def _pool(gen, blocks, bm, k_dim, scale=1.0):
-    """fp8 rows [P, k_dim] + scales; valid rows quantized from randn, padding rows garbage
-    (random bytes, NaN scales): they must not leak into valid rows."""
-    P = len(blocks) * bm
-    x = torch.randn(P, k_dim, generator=gen) * scale
-    q, s = quantize_act_fp8(x)
-    valid = _valid_mask(blocks, bm)
-    junk = torch.randint(0, 0x7F, (P, k_dim), generator=gen, dtype=torch.uint8).view(F8)
-    q[~valid] = junk[~valid]
-    s[~valid] = float("nan")
-    return q, s, valid
 
 
 def _weights(gen, bf16=False):
@@ -73,9 +53,6 @@ def _weights(gen, bf16=False):
         w13, w2 = w13.bfloat16(), w2.bfloat16()
     return w13, w2, convert_expert_weights_fp8(w13, w2)
 
-
-def _dq_act(q, s, rows):
-    return dequantize_act_fp8(q[rows], s[rows], out_dtype=torch.float64)
 
 
 def _l1_reference(xq, xs, w, pool_w, blocks, bm):
@@ -87,30 +64,27 @@ def _l1_reference(xq, xs, w, pool_w, blocks, bm):
         rows = slice(b * bm, b * bm + v)
         if v == 0:
             continue
-        x = _dq_act(xq, xs, rows)
+        x = dq_act(xq, xs, rows)
         h = x @ w13[e].T
         g, u = h[:, :I], h[:, I:]
         act[rows] = g * torch.sigmoid(g) * u * pool_w[rows].double()[:, None]
     return act
 
 
-def _to(dev, *ts):
-    return [t.to(dev) for t in ts]
-
 
 # ---- L1 -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block_n", [128, 256])
 def test_l1_matches_quantized_reference(gen, block_n):
-    xq, xs, valid = _pool(gen, BLOCKS, BM, H)
+    xq, xs, valid = make_pool(gen, BLOCKS, BM, H)
     _, _, w = _weights(gen)
     P = xq.shape[0]
     pool_w = torch.rand(P, generator=gen) + 0.1
     pool_w[~valid] = float("nan")
-    meta = pack_block_meta([e for e, _ in BLOCKS], [v for _, v in BLOCKS])
+    meta = block_meta(BLOCKS)
     act_q = torch.full((P, I), NAN8, dtype=torch.uint8).view(F8)
     act_s = torch.full((P, I // 128), float("nan"))
-    args = _to(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w, act_q, act_s)
+    args = to_device(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w, act_q, act_s)
     out_q, out_s = l1_fp8(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
                           w13_q=args[3], w13_scale_inv=args[4], pool_weight=args[5],
                           act_q=args[6], act_scale=args[7], block_m=BM, block_n=block_n)
@@ -123,43 +97,32 @@ def test_l1_matches_quantized_reference(gen, block_n):
     assert bool(torch.isfinite(out_s[valid]).all())
 
     act = _l1_reference(xq, xs, w, pool_w, BLOCKS, BM)
-    ref_q, ref_s = quantize_act_fp8(act[valid])
-    got_s = out_s[valid]
-    assert torch.allclose(got_s, ref_s, rtol=4e-6, atol=0), (got_s / ref_s - 1).abs().max()
-    gq, rq = out_q[valid].float(), ref_q.float()
-    diff = (gq - rq).abs()
-    ulp = torch.maximum(_ulp_e4m3(gq), _ulp_e4m3(rq))
-    assert bool((diff <= ulp).all()), diff.max()
-    assert (diff > 0).float().mean() < 0.01
+    check_act(out_q, out_s, act, valid)
     # and the dequantized activation is the fp64 one to within one e4m3 ulp of each value
-    deq = dequantize_act_fp8(out_q[valid], got_s, out_dtype=torch.float64)
+    got_q, got_s = out_q[valid], out_s[valid]
+    deq = dequantize_act_fp8(got_q, got_s, out_dtype=torch.float64)
     s_full = got_s.double().repeat_interleave(128, dim=1)
-    assert bool(((deq - act[valid]).abs() <= _ulp_e4m3(gq).double() * s_full).all())
+    assert bool(((deq - act[valid]).abs() <= ulp_e4m3(got_q.float()).double() * s_full).all())
 
 
 def test_l1_all_zero_rows(gen):
     """An all-zero activation row (zero input, or zero topk weight) gets scale 2**-126 and
     q = 0, as quant.quantize_act_fp8; an expert (2) with no block."""
     blocks = [(0, 16), (1, 3)]
-    xq, xs, valid = _pool(gen, blocks, BM, H)
+    xq, xs, valid = make_pool(gen, blocks, BM, H)
     xq[:4] = torch.zeros(4, H, dtype=F8)     # rows 0..3: zero input -> zero activation
     _, _, w = _weights(gen)
     P = xq.shape[0]
     pool_w = torch.rand(P, generator=gen)
     pool_w[4] = 0.0                           # row 4: zero topk weight
     meta = pack_block_meta([0, 1], [16, 3])
-    args = _to(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w)
+    args = to_device(DEV, xq, xs, meta, w["w13"], w["w13_scale_inv"], pool_w)
     q, s = l1_fp8(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2], w13_q=args[3],
                   w13_scale_inv=args[4], pool_weight=args[5], block_m=BM)
     q, s = q.cpu(), s.cpu()
     assert bool((s[:5] == 2.0 ** -126).all())
     assert bool((q[:5].float() == 0).all())
-    act = _l1_reference(xq, xs, w, pool_w, blocks, BM)
-    ref_q, ref_s = quantize_act_fp8(act[valid])
-    assert torch.allclose(s[valid], ref_s, rtol=4e-6, atol=0)
-    diff = (q[valid].float() - ref_q.float()).abs()
-    assert bool((diff <= torch.maximum(_ulp_e4m3(q[valid].float()),
-                                       _ulp_e4m3(ref_q.float()))).all())
+    check_act(q, s, _l1_reference(xq, xs, w, pool_w, blocks, BM), valid)
 
 
 # ---- L2 -------------------------------------------------------------------------------------
@@ -167,12 +130,12 @@ def test_l1_all_zero_rows(gen):
 @pytest.mark.parametrize("out_dtype,block_n", [(torch.float32, 128), (torch.bfloat16, 64),
                                                (torch.float32, 256)])
 def test_l2_matches_quantized_reference(gen, out_dtype, block_n):
-    aq, as_, valid = _pool(gen, BLOCKS, BM, I, scale=0.3)
+    aq, as_, valid = make_pool(gen, BLOCKS, BM, I, scale=0.3)
     _, _, w = _weights(gen)
     P = aq.shape[0]
-    meta = pack_block_meta([e for e, _ in BLOCKS], [v for _, v in BLOCKS])
+    meta = block_meta(BLOCKS)
     y = torch.full((P, H), float("nan"), dtype=out_dtype)
-    args = _to(DEV, aq, as_, meta, w["w2"], w["w2_scale_inv"], y)
+    args = to_device(DEV, aq, as_, meta, w["w2"], w["w2_scale_inv"], y)
     out = l2_fp8(act_q=args[0], act_scale=args[1], block_meta=args[2], w2_q=args[3],
                  w2_scale_inv=args[4], y=args[5], block_m=BM, block_n=block_n)
     assert out.data_ptr() == args[5].data_ptr()
@@ -180,19 +143,7 @@ def test_l2_matches_quantized_reference(gen, out_dtype, block_n):
     assert bool(out[~valid].isnan().all())
     assert bool(torch.isfinite(out[valid]).all())
     w2 = dequantize_weight_fp8_blocks(w["w2"], w["w2_scale_inv"], out_dtype=torch.float64)
-    for b, (e, v) in enumerate(BLOCKS):
-        if v == 0:
-            continue
-        rows = slice(b * BM, b * BM + v)
-        a = _dq_act(aq, as_, rows)
-        ref = a @ w2[e].T
-        bound = 1e-5 * (a.abs() @ w2[e].abs().T)
-        if out_dtype == torch.bfloat16:
-            bound = bound + 2.0 ** -8 * ref.abs()
-        err = (out[rows].double() - ref).abs()
-        assert bool((err <= bound).all()), (err / bound).max()
-        if out_dtype == torch.float32:
-            assert (err.norm() / ref.norm()) < 1e-5
+    check_l2_rows(out, aq, as_, w2, BLOCKS, BM, out_dtype)
 
 
 # ---- L1 + L2 against the layer reference ----------------------------------------------------
@@ -222,8 +173,8 @@ def test_l1_l2_against_moe_forward_fp8(gen):
     for r, tk in enumerate(src):
         if tk is not None:
             pq[r], ps[r], pw[r] = xq[tk[0]], xsc[tk[0]], tw[tk]
-    meta = pack_block_meta([e for e, _ in blocks], [v for _, v in blocks])
-    a = _to(DEV, pq, ps, meta, w["w13"], w["w13_scale_inv"], pw, w["w2"], w["w2_scale_inv"])
+    meta = block_meta(blocks)
+    a = to_device(DEV, pq, ps, meta, w["w13"], w["w13_scale_inv"], pw, w["w2"], w["w2_scale_inv"])
     aq, asc = l1_fp8(pool_x_q=a[0], pool_x_scale=a[1], block_meta=a[2], w13_q=a[3],
                      w13_scale_inv=a[4], pool_weight=a[5], block_m=bm)
     yr = l2_fp8(act_q=aq, act_scale=asc, block_meta=a[2], w2_q=a[6], w2_scale_inv=a[7],

@@ -443,8 +443,13 @@ def test_bad_arguments_name_what_is_wrong(gen):
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
         "flat-rows", "pdl", "no-pdl"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
-    cfg = small_config()
-    R, Ts = 2, [21, 10]
+    check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
+
+
+def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device) -> None:
+    """One staged call with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks) against the
+    reference, buffer poisoned first."""
+    R = len(Ts)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
@@ -462,14 +467,8 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
 def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows, the least a GPU dot takes);
     # two experts per rank get ~30 rows each: first pieces full, second ones partly filled
-    cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    R, Ts = 2, [37, 23]
-    buf = SymmBuffer(cfg, num_ranks=R, device=device)
-    poison(buf)
-    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
-    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
-    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
+                      [37, 23], tuning, gen, device)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -48,8 +48,8 @@ row blocks).
 """
 from __future__ import annotations
 
-from ._common import tl, to_bf16, triton
-from .gemm_fp8 import l1_fp8_epilogue
+from ._common import tl, triton
+from .gemm_fp8 import l1_fp8_epilogue, store_pool_rows
 
 ACT_GROUP = tl.constexpr(128)   # K elements per activation scale: the K step
 MX_BLOCK = tl.constexpr(32)     # K elements per E8M0 weight scale: one dot
@@ -196,14 +196,7 @@ def l2_fp4w_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I, A_STRIDE, 
     valid_m not stored."""
     acc = l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
                       BM, BN, BK)
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    n = nb * BN + tl.arange(0, BN)
-    rv = tl.arange(0, BM) < vm
-    if OUT_BF16:
-        out = to_bf16(acc, FIX_ROUNDING)
-    else:
-        out = acc
-    tl.store(y + rows[:, None] * Y_STRIDE + n[None, :], out, mask=rv[:, None])
+    store_pool_rows(acc, mb, nb, vm, y, Y_STRIDE, BM, BN, OUT_BF16, FIX_ROUNDING)
 
 
 @triton.jit

@@ -226,6 +226,14 @@ def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
     """One L2 block (m_block, n_block): y rows = act @ w2^T with per-K-block scales."""
     acc = l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, I, I // 128, BM, BN, BK)
+    store_pool_rows(acc, mb, nb, vm, y, H, BM, BN, OUT_BF16, FIX_ROUNDING)
+
+
+@triton.jit
+def store_pool_rows(acc, mb, nb, vm, y, Y_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
+                    OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """A standalone L2 block's tile [BM, BN] into y's rows of m_block (row stride Y_STRIDE),
+    columns of n_block, as bf16 or fp32; rows past vm are not stored."""
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     n = nb * BN + tl.arange(0, BN)
     rv = tl.arange(0, BM) < vm
@@ -233,7 +241,7 @@ def l2_fp8_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I,
         out = to_bf16(acc, FIX_ROUNDING)
     else:
         out = acc
-    tl.store(y + rows[:, None] * H + n[None, :], out, mask=rv[:, None])
+    tl.store(y + rows[:, None] * Y_STRIDE + n[None, :], out, mask=rv[:, None])
 
 
 @triton.jit
