@@ -79,3 +79,36 @@ def check_l2_rows(out, aq, as_, w2, blocks, bm: int, out_dtype) -> None:
         assert bool((err <= bound).all()), (err / bound).max()
         if out_dtype == torch.float32:
             assert (err.norm() / ref.norm()) < 1e-5
+
+
+def host_pool(x, idx, tw, num_experts: int, bm: int):
+    """The layer's pool built on the host from tokens x [T, H] routed by idx / tw [T, K]:
+    each expert's picks in blocks of bm rows, activations quantized per token. Returns
+    (pool_x_q [P, H] fp8, pool_x_scale, pool_weight [P], blocks [(expert, valid)], src: the
+    (token, k) of each pool row or None for padding)."""
+    xq, xsc = quantize_act_fp8(x)
+    T, K = idx.shape
+    blocks, src = [], []
+    for e in range(num_experts):
+        picks = [(t, k) for t in range(T) for k in range(K) if int(idx[t, k]) == e]
+        for j in range(0, len(picks), bm):
+            chunk = picks[j:j + bm]
+            blocks.append((e, len(chunk)))
+            src.extend(chunk + [None] * (bm - len(chunk)))
+    P = len(blocks) * bm
+    pq = torch.zeros(P, x.shape[1], dtype=F8)
+    ps = torch.zeros(P, x.shape[1] // 128)
+    pw = torch.zeros(P)
+    for r, tk in enumerate(src):
+        if tk is not None:
+            pq[r], ps[r], pw[r] = xq[tk[0]], xsc[tk[0]], tw[tk]
+    return pq, ps, pw, blocks, src
+
+
+def sum_picks(y_rows, src, T: int) -> torch.Tensor:
+    """fp64 [T, H]: each token's pool rows (``src`` from ``host_pool``) summed."""
+    y = torch.zeros(T, y_rows.shape[1], dtype=torch.float64)
+    for r, tk in enumerate(src):
+        if tk is not None:
+            y[tk[0]] += y_rows[r].double()
+    return y

@@ -25,10 +25,11 @@ import torch
 
 from moestream.aot import SM90_SHARED_LIMIT
 from moestream.fp8 import l1_fp8, l2_fp8, pack_block_meta
-from quant_pool import (block_meta, check_act, check_l2_rows, dq_act, make_pool, to_device,
-                        ulp_e4m3)
 from moestream.quant import (convert_expert_weights_fp8, dequantize_act_fp8,
-                             dequantize_weight_fp8_blocks, quantize_act_fp8)
+                             dequantize_weight_fp8_blocks)
+
+from quant_pool import (block_meta, check_act, check_l2_rows, dq_act, host_pool, make_pool,
+                        sum_picks, to_device, ulp_e4m3)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,31 +159,14 @@ def test_l1_l2_against_moe_forward_fp8(gen):
     x = make_tokens(T, H, generator=gen)
     idx, tw = make_routing(T, E, K, generator=gen)
     w13, w2, w = _weights(gen, bf16=True)
-    xq, xsc = quantize_act_fp8(x)
-    blocks, src = [], []
-    for e in range(E):
-        picks = [(t, k) for t in range(T) for k in range(K) if int(idx[t, k]) == e]
-        for j in range(0, len(picks), bm):
-            chunk = picks[j:j + bm]
-            blocks.append((e, len(chunk)))
-            src.extend(chunk + [None] * (bm - len(chunk)))
-    P = len(blocks) * bm
-    pq = torch.zeros(P, H, dtype=F8)
-    ps = torch.zeros(P, H // 128)
-    pw = torch.zeros(P)
-    for r, tk in enumerate(src):
-        if tk is not None:
-            pq[r], ps[r], pw[r] = xq[tk[0]], xsc[tk[0]], tw[tk]
-    meta = block_meta(blocks)
-    a = to_device(DEV, pq, ps, meta, w["w13"], w["w13_scale_inv"], pw, w["w2"], w["w2_scale_inv"])
+    pq, ps, pw, blocks, src = host_pool(x, idx, tw, E, bm)
+    a = to_device(DEV, pq, ps, block_meta(blocks), w["w13"], w["w13_scale_inv"], pw, w["w2"],
+                  w["w2_scale_inv"])
     aq, asc = l1_fp8(pool_x_q=a[0], pool_x_scale=a[1], block_meta=a[2], w13_q=a[3],
                      w13_scale_inv=a[4], pool_weight=a[5], block_m=bm)
     yr = l2_fp8(act_q=aq, act_scale=asc, block_meta=a[2], w2_q=a[6], w2_scale_inv=a[7],
                 block_m=bm, out_dtype=torch.float32).cpu().double()
-    y = torch.zeros(T, H, dtype=torch.float64)
-    for r, tk in enumerate(src):
-        if tk is not None:
-            y[tk[0]] += yr[r]
+    y = sum_picks(yr, src, T)
     ref = moe_forward(x, idx, tw, w13, w2, compute_dtype=torch.float64,
                       out_dtype=torch.float64, quant="fp8")
     rel = float((y - ref).norm() / ref.norm())
