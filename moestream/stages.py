@@ -93,6 +93,14 @@ class Tuning:
         ignores it; the fused launch does not use it). Off: measured on 2x H200 it saved at
         most ~4 µs at 1 token and cost 3-10 % from 128 tokens up (benchmarks/NOTES.md,
         session 6).
+    decode_rows: 0 (off), 16, 32 or 64: the staged L1 and L2 multiply an m-block's valid rows
+        in pieces of this many rows, with the weight tile as the MMA's row operand (swap AB:
+        [block_n, rows] accumulators), so a block of a few decode tokens costs a 16-column MMA
+        instead of a block_m-row tile of padding (fp8 L1 also loads by descriptor then). Each
+        piece reads the block's weights once: meant for calls whose experts receive at most
+        that many rows (``for_call``). Must divide block_m; needs l2_signal "rank"; the L2
+        runs its plain loop in pieces (l2_flat and l2_split_m do not apply); the fused launch
+        ignores it.
     """
 
     programs: int = 0
@@ -125,6 +133,7 @@ class Tuning:
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
+    decode_rows: int = 0
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -210,6 +219,12 @@ class Tuning:
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
+        if type(self.decode_rows) is not int or self.decode_rows not in (0, 16, 32, 64):
+            raise ValueError(f"Tuning.decode_rows must be 0 (off), 16, 32 or 64, got "
+                             f"{self.decode_rows!r}")
+        if self.decode_rows and self.l2_signal != "rank":
+            raise ValueError("Tuning.decode_rows needs l2_signal='rank' (decode pieces of an "
+                             "m-block cannot release its rows' combine flags)")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"Tuning.pdl must be a bool, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
@@ -257,6 +272,13 @@ class Tuning:
         if cfg.dtype == "fp8":
             return self.l2_block_n or 128, FP8_GROUP
         return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
+
+    def decode_pieces(self, cfg) -> int:
+        """decode_rows checked against the config (0: off)."""
+        dm = self.decode_rows
+        if dm and cfg.block_m % dm:
+            raise ValueError(f"Tuning.decode_rows={dm} must divide block_m={cfg.block_m}")
+        return dm
 
     def tma(self, buffer: SymmBuffer) -> bool:
         return _constants(buffer).hopper if self.use_tma is None else self.use_tma
@@ -479,8 +501,10 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     off = c.off
     bn, bk = tuning.l1_tile(cfg)
     fp8 = cfg.dtype == "fp8"
-    # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower)
-    tma = tuning.tma(buffer) and not fp8
+    dm = tuning.decode_pieces(cfg)
+    # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower), except
+    # in decode pieces, whose accumulators are small
+    tma = tuning.tma(buffer) and (not fp8 or dm > 0)
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
@@ -489,7 +513,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, **tuning.pdl_args(buffer),
+              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)
@@ -503,6 +527,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     bn, bk = tuning.l2_tile(cfg)
     fp8 = cfg.dtype == "fp8"
     tma = tuning.tma(buffer)
+    dm = tuning.decode_pieces(cfg)
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
@@ -515,8 +540,8 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
-              FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank",
-              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=tuning.l2_split_m,
+              FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank" and not dm,
+              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if dm else tuning.l2_split_m, DM=dm,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)

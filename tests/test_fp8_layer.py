@@ -232,6 +232,22 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
                           [37, 23], tuning, gen, device, drop=0.05)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("Ts, tuning", [
+    # block_m 32 in pieces of 16 rows: first pieces full, second ones partial (by descriptor)
+    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128,
+                             l2_epilogue_split=2)),
+    # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
+    ([1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256, wait=False,
+                            programs=3)),
+], ids=["tma", "pointers-l1n256"])
+def test_fp8_decode_pieces(device, gen, Ts, tuning):
+    # fp8 L1 (scales per K step, re-quantization of each piece's rows) and L2 with the
+    # weight tile as the MMA row operand
+    check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
+                          Ts, tuning, gen, device, drop=0.05)
+
+
 def test_fp8_is_close_to_the_bf16_layer(gen):
     # what quantization costs against the unquantized reference (docs/quantization.md: ~6e-2
     # on random data); a scale applied twice or not at all would be far outside

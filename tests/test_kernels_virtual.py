@@ -472,6 +472,35 @@ def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("Ts, tuning", [
+    # block_m 32 in pieces of 16 rows: ~30 rows per expert, so an m-block runs a full and a
+    # partial piece (weights read twice); descriptor loads
+    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64)),
+    # pointer loads, no waits, quarters; a piece of 16 rows in a 32-row block
+    ([37, 23], stages.Tuning(decode_rows=16, use_tma=False, wait=False,
+                             l2_epilogue_split=4, l2_block_n=64, programs=3)),
+    # decode proper: T=1 and T=2 (an m-block holds 1-4 valid rows of one 32-row piece);
+    # l2_flat and l2_split_m are set but do not apply in decode pieces
+    ([1, 2], stages.Tuning(decode_rows=32, use_tma=True, l2_flat=True, l2_split_m=2,
+                           wait=False)),
+], ids=["two-pieces-tma", "two-pieces-pointers", "decode-T1"])
+def test_decode_pieces_compute_the_same_layer(device, gen, Ts, tuning):
+    # L1 and L2 with the weight tile as the MMA row operand, in pieces of decode_rows rows
+    check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
+                      Ts, tuning, gen, device)
+
+
+def test_decode_rows_must_fit_the_block(gen):
+    # user errors name the field and what is allowed
+    with pytest.raises(ValueError, match="decode_rows must be 0"):
+        stages.Tuning(decode_rows=24)
+    with pytest.raises(ValueError, match="l2_signal='rank'"):
+        stages.Tuning(decode_rows=16, l2_signal="rows")
+    with pytest.raises(ValueError, match="must divide block_m=32"):
+        stages.Tuning(decode_rows=64).decode_pieces(small_config(block_m=32))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("T, K, E, case", [
     (1, 2, 8, "random"),        # T=1: one token's picks
     (37, 4, 5, "random"),       # prime-ish expert count, T not a power of two

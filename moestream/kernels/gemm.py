@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, tl, to_bf16, triton, wait_at_least)
-from .gemm_fp8 import fp8_descriptors, l1_fp8_block, l2_fp8_acc
+from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
+                       l2_fp8_decode_acc)
 
 
 @triton.jit
@@ -118,6 +119,53 @@ def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_des
 
 
 @triton.jit
+def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """``l1_block`` for decode (``Tuning.decode_rows``): the m-block's valid rows in pieces of
+    DM, each computed as weights @ rows^T ([BN, DM] accumulators: the weight tile is the MMA's
+    row operand, so 16 tokens cost 16 MMA columns instead of a 128-row tile of padding).
+    Weights are read once per piece (once when valid_m <= DM). USE_TMA: ``a_desc`` has DM-row
+    tiles."""
+    e = meta >> 9
+    vm = meta & 511
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    for r0 in range(0, vm, DM):
+        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
+        a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
+        wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+        wu_ptrs = wg_ptrs + I * H
+        acc_g = tl.zeros([BN, DM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, DM], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            if USE_TMA:
+                a = a_desc.load([mb * BM + r0, k0])
+                g = w_desc.load([e * 2 * I + nb * BN, k0])
+                u = w_desc.load([e * 2 * I + I + nb * BN, k0])
+            else:
+                a = tl.load(a_ptrs)
+                g = tl.load(wg_ptrs)
+                u = tl.load(wu_ptrs)
+            if UPCAST:   # as l1_block
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_g = tl.dot(g, a.T, acc_g)
+            acc_u = tl.dot(u, a.T, acc_u)
+            a_ptrs += BK
+            wg_ptrs += BK
+            wu_ptrs += BK
+        rv = r0 + tl.arange(0, DM) < vm
+        w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, DM]
+        tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST),
+                 mask=rv[None, :])
+    tl.debug_barrier()  # all rows stored before the count is released
+    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def expert_weights(w_table, s_table, index, FP8: tl.constexpr):
     """(values, scale_inv) pointers of local rank ``index``'s experts: e4m3 values and fp32
     block scales (FP8; torch allocations, 16-byte aligned), or bf16 values (the second pointer
@@ -134,16 +182,23 @@ def expert_weights(w_table, s_table, index, FP8: tl.constexpr):
 @triton.jit
 def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+                      DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
-    bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``."""
-    l1_fp8_block(mb, nb, meta >> 9, meta & 511,
-                 aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
-                 aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32), w13, w13_s,
-                 peer_ptr(table, rank, off_pool_weight, tl.float32),
-                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
-                 aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), H, I,
-                 XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
+    bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
+    DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there)."""
+    x_q = aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
+    x_s = aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32)
+    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
+    act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
+    act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
+    if DM > 0:
+        l1_fp8_decode_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
+                            act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, DM, a_desc,
+                            w_desc, USE_TMA, FIX_ROUNDING)
+    else:
+        l1_fp8_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q, act_s,
+                     H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
     tl.debug_barrier()  # all rows stored before the count is released
     tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
 
@@ -155,28 +210,45 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                       SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
-                      SPLIT_M: tl.constexpr = 1):
+                      SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0):
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
-    block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``)."""
-    acc = l2_fp8_acc(mb, nb, meta >> 9, aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
-                     aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32), w2, w2_s,
-                     H, I, AB, AB // 4, BM, BN, BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
-    l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
-                off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE, SIGNAL_ROWS,
-                EPI_SPLIT, sub, SPLIT_M)
+    block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
+    DM > 0: decode pieces of DM rows (``l2_fp8_decode_acc``; without SIGNAL_ROWS)."""
+    act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
+    act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
+    if DM > 0:
+        tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
+        vm = meta & 511
+        for r0 in range(0, vm, DM):
+            acc = l2_fp8_decode_acc(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
+                                    AB // 4, BM, BN, BK, DM, a_desc, w_desc, USE_TMA)
+            l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        False, EPI_SPLIT, r0 // DM, BM // DM)
+    else:
+        acc = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM, BN,
+                         BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
+        l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
+                    off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                    SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
 def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr):
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
+                    DM: tl.constexpr = 0):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
-    rows, or ``l1_block``)."""
+    rows, or ``l1_block``); DM > 0: in decode pieces of DM rows."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
-                          off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST)
+                          off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
+                          a_desc, w_desc, USE_TMA)
+    elif DM > 0:
+        l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
+                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA)
     else:
         l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                  BM, BN, BK, UPCAST, USE_TMA)
@@ -192,10 +264,12 @@ def l1_kernel(
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-    FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
-    e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then."""
+    e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
+    DM > 0: decode pieces of DM rows with the weights as the MMA row operand
+    (``l1_decode_block``; the fp8 form loads by descriptor too)."""
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
@@ -209,7 +283,11 @@ def l1_kernel(
     a_desc = 0
     w_desc = 0
     if USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
-        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
+        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, DM if DM > 0 else BM, BN,
+                                        BK)
+    elif USE_TMA and DM > 0:   # fp8 decode pieces (the 128-row fp8 L1 keeps pointer loads)
+        a_desc, w_desc = fp8_descriptors(aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
+                                         P, H, XB, w13, E_LOC * 2 * I, DM, BN, BK)
     NB = I // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -225,7 +303,7 @@ def l1_kernel(
             l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8)
+                            USE_TMA, FP8, DM)
         meta = meta_next
         ticket += nprog
 
@@ -266,6 +344,42 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
         w_ptrs += BK
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
+
+
+@triton.jit
+def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
+                    off_combine_y, off_combine_flag, H, I, T_MAX, R, K: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                    EPI_SPLIT: tl.constexpr):
+    """``l2_block`` for decode (``Tuning.decode_rows``, as ``l1_decode_block``): valid rows in
+    pieces of DM, each [BN, DM] = w2 tile @ rows^T, transposed into the combine slots (the
+    caller signals: per program, ``l2_kernel``'s RANK_SIGNAL)."""
+    e = meta >> 9
+    vm = meta & 511
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    for r0 in range(0, vm, DM):
+        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
+        a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
+        w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
+        acc = tl.zeros([BN, DM], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            if USE_TMA:
+                a = a_desc.load([mb * BM + r0, k0])
+                w = w_desc.load([e * H + nb * BN, k0])
+            else:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(w, a.T, acc)
+            a_ptrs += BK
+            w_ptrs += BK
+        l2_epilogue(tl.trans(acc), mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                    off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                    EPI_SPLIT, r0 // DM, BM // DM)
 
 
 @triton.jit
@@ -339,14 +453,19 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
-                    EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr):
+                    EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr,
+                    DM: tl.constexpr = 0):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
-    rows, or ``l2_block``), row piece ``sub`` of SPLIT_M."""
+    rows, or ``l2_block``), row piece ``sub`` of SPLIT_M, or in decode pieces of DM rows."""
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
-                          USE_TMA, sub, SPLIT_M)
+                          USE_TMA, sub, SPLIT_M, DM)
+    elif DM > 0:
+        l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
+                        w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
+                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
@@ -369,6 +488,7 @@ def l2_kernel(
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
+    DM: tl.constexpr = 0,
 ):
     """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
@@ -377,7 +497,9 @@ def l2_kernel(
     RANK_SIGNAL: instead of counting every tile per m-block and releasing each row's combine
     flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
-    on every rank (system scope); the staged combine waits for R there."""
+    on every rank (system scope); the staged combine waits for R there.
+    DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1)."""
+    tl.static_assert(DM == 0 or (RANK_SIGNAL and SPLIT_M == 1), "decode pieces: rank signal")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
@@ -389,7 +511,7 @@ def l2_kernel(
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     a_desc = 0
     w_desc = 0
-    BMT: tl.constexpr = BM // SPLIT_M
+    BMT: tl.constexpr = DM if DM > 0 else BM // SPLIT_M   # rows of a descriptor tile
     if USE_TMA:
         if FP8:
             a_desc, w_desc = fp8_descriptors(
@@ -412,7 +534,7 @@ def l2_kernel(
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
-                            pm % SPLIT_M, SPLIT_M)
+                            pm % SPLIT_M, SPLIT_M, DM)
         ticket = total
     pm, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
     meta = tl.load(block_meta + pm // SPLIT_M, mask=ticket < total, other=0)
@@ -429,7 +551,7 @@ def l2_kernel(
             l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
-                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M)
+                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM)
         pm = pm_next
         nb = nb_next
         meta = meta_next

@@ -94,6 +94,18 @@ def fp8_descriptors(x_q, rows, cols, row_stride, w, w_rows, BM: tl.constexpr, BN
     return a_desc, w_desc
 
 
+@triton.jit
+def fp8_w_scales(w_s, e64, rows_per_e, nb, BN: tl.constexpr, KB):
+    """Pointer to the weight scales of column block ``nb`` (BN rows of the weight) of expert
+    e64 in a [E, rows_per_e / 128, KB] scale_inv tensor, at K step 0: one scalar pointer per K
+    step when BN <= 128 (the block's rows share one scale group), else [BN] pointers."""
+    if BN <= 128:   # constexpr: one branch is compiled
+        p = w_s + e64 * (rows_per_e // 128) * KB + (nb * BN // 128) * KB
+    else:
+        p = w_s + e64 * (rows_per_e // 128) * KB + ((nb * BN + tl.arange(0, BN)) // 128) * KB
+    return p
+
+
 # ---- L1 -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -120,11 +132,8 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     # BN <= 128: the block's columns share one scale group, so its weight scale per K step is
     # one scalar instead of a [BN] vector of equal values (fewer registers)
     ONE_GROUP: tl.constexpr = BN <= 128
-    if ONE_GROUP:
-        sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (nb * BN // 128) * KB   # gate rows
-    else:
-        sg_ptrs = w13_s + e64 * (2 * I // 128) * KB + (n // 128) * KB         # [BN]
-    su_ptrs = sg_ptrs + (I // 128) * KB                                      # up rows
+    sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
+    su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, KB):
@@ -149,12 +158,14 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
 
 @triton.jit
 def l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM: tl.constexpr, BN: tl.constexpr, FIX_ROUNDING: tl.constexpr):
-    """An L1 block's fp32 gate/up tiles [BM, BN] -> silu(gate) * up * topk weight, quantized
-    per row per 128 columns into act_q / act_scale (rows past vm are not stored)."""
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+                    BM: tl.constexpr, BN: tl.constexpr, FIX_ROUNDING: tl.constexpr, r0=0):
+    """An L1 block's fp32 gate/up tiles [ROWS, BN] (rows r0 .. r0+ROWS-1 of m-block ``mb`` of
+    BM rows; ROWS = BM unless a decode piece) -> silu(gate) * up * topk weight, quantized per
+    row per 128 columns into act_q / act_scale (rows past vm are not stored)."""
+    ROWS: tl.constexpr = acc_g.shape[0]
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     n = nb * BN + tl.arange(0, BN)
-    rv = tl.arange(0, BM) < vm
+    rv = r0 + tl.arange(0, ROWS) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
     q, scale = quant_rows_128(act, FIX_ROUNDING)
@@ -197,10 +208,7 @@ def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
     w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
     as_ptrs = act_scale + rows * AS_STRIDE
     ONE_GROUP: tl.constexpr = BN <= 128   # one weight scale per K step (as l1_fp8_block)
-    if ONE_GROUP:
-        ws_ptrs = w2_s + e64 * (H // 128) * KB + (nb * BN // 128) * KB
-    else:
-        ws_ptrs = w2_s + e64 * (H // 128) * KB + (n // 128) * KB       # [BN]
+    ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
     acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for kb in range(0, KB):
         if USE_TMA:
@@ -255,3 +263,89 @@ def l2_fp8_kernel(act_q, act_scale, w2, w2_s, block_meta, y, H, I,
     if vm > 0:
         l2_fp8_block(mb, nb, meta >> 9, vm, act_q, act_scale, w2, w2_s, y, H, I, BM, BN, BK,
                      OUT_BF16, FIX_ROUNDING)
+
+
+# ---- decode pieces (Tuning.decode_rows): weights as the MMA row operand ----------------
+
+@triton.jit
+def fp8_swap_step(acc, w, a, xs, ws, BN: tl.constexpr):
+    """acc [BN, DM] += (w [BN, BK] @ a[DM, BK]^T) * (w scale (x) x scale [DM]): one K step of
+    a decode piece, the weight tile as the MMA's row operand (swap AB)."""
+    if BN <= 128:   # constexpr
+        acc += tl.dot(w, a.T) * (ws * xs)[None, :]
+    else:
+        acc += tl.dot(w, a.T) * (ws[:, None] * xs[None, :])
+    return acc
+
+
+@triton.jit
+def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                        X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        DM: tl.constexpr, a_desc, w_desc, USE_TMA: tl.constexpr,
+                        FIX_ROUNDING: tl.constexpr):
+    """``l1_fp8_block`` for decode (``Tuning.decode_rows``): the m-block's valid rows in pieces
+    of DM, each [BN, DM] = weights @ rows^T so the weight tile fills the MMA's 64-row side and
+    a piece of 16 tokens costs 16 columns of MMA, not a 128-row tile of padding. Weights are
+    read once per piece (once when vm <= DM). USE_TMA: descriptors of DM-row x tiles and BN-row
+    weight tiles over [E * 2I, H] (``fp8_descriptors``)."""
+    KB = H // BK
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    e64 = e.to(tl.int64)
+    sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
+    su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
+    for r0 in range(0, vm, DM):
+        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
+        a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
+        wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+        wu_ptrs = wg_ptrs + I * H
+        xs_ptrs = x_scale + rows * XS_STRIDE
+        acc_g = tl.zeros([BN, DM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, DM], dtype=tl.float32)
+        for kb in range(0, KB):
+            if USE_TMA:
+                a = a_desc.load([mb * BM + r0, kb * BK])
+                g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
+                u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
+            else:
+                a = tl.load(a_ptrs)
+                g = tl.load(wg_ptrs)
+                u = tl.load(wu_ptrs)
+            xs = tl.load(xs_ptrs + kb)
+            acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
+            acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
+            a_ptrs += BK
+            wg_ptrs += BK
+            wu_ptrs += BK
+        l1_fp8_epilogue(tl.trans(acc_g), tl.trans(acc_u), mb, nb, vm, pool_w, act_q, act_scale,
+                        A_STRIDE, AS_STRIDE, BM, BN, FIX_ROUNDING, r0)
+
+
+@triton.jit
+def l2_fp8_decode_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
+                      a_desc, w_desc, USE_TMA: tl.constexpr):
+    """fp32 [DM, BN]: rows r0 .. r0+DM-1 of m_block @ w2[e]^T, columns of n_block, computed as
+    weights @ rows^T (swap AB, as ``l1_fp8_decode_block``) and transposed."""
+    KB = I // BK
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    e64 = e.to(tl.int64)
+    a_ptrs = act_q + rows[:, None] * A_STRIDE + kk[None, :]
+    w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
+    as_ptrs = act_scale + rows * AS_STRIDE
+    ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
+    acc = tl.zeros([BN, DM], dtype=tl.float32)
+    for kb in range(0, KB):
+        if USE_TMA:
+            a = a_desc.load([mb * BM + r0, kb * BK])
+            w = w_desc.load([e * H + nb * BN, kb * BK])
+        else:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        acc = fp8_swap_step(acc, w, a, tl.load(as_ptrs + kb), tl.load(ws_ptrs + kb), BN)
+        a_ptrs += BK
+        w_ptrs += BK
+    return tl.trans(acc)
