@@ -185,6 +185,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             if ranks == 1:   # the staged launches with programmatic dependent launch (option)
                 label[0] = " pdl"
                 stages.run_staged(*args, tuning=replace(tuning, pdl=True))
+            label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
+            stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = ""
         # the fp8 layer (staged path): publish with quantization, byte-row dispatch, fp8 GEMMs
         label[0] = " fp8"
@@ -196,6 +198,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         tuning8 = replace(stages.Tuning.hopper(cfg.block_m, "fp8"), use_tma=True)   # as on H200
         stages.run_staged(*args, tuning=tuning8)
         stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
+        label[0] = " fp8 decode"
+        stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = ""
     return _facts(compiled)
 

@@ -45,8 +45,9 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
 _BF16 = replace(stages.Tuning.hopper(128), use_tma=True)
 _FP8 = stages.Tuning.hopper(128, "fp8")
 _FP8_S5 = replace(_FP8, l2_split_m=1, l2_warps=8, l2_stages=4, l2_flat=False)
-_DEC = replace(_BF16, l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=6)
-_DEC8 = replace(_FP8, use_tma=True, l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=6)
+# Tuning.decode looks at the dtype and whether intermediate is a multiple of 64 (all shapes)
+_DIMS_64 = MoEConfig(hidden=128, intermediate=128, num_experts=1, top_k=1, max_tokens_per_rank=1)
+_DIMS_FP8 = replace(_DIMS_64, dtype="fp8")
 VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper(128): L2 128x128 4w3s, flat, 1/4
     # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
@@ -70,16 +71,20 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     # change session 5's default (_FP8_S5: one 8-warp 128-row L2 program per SM)
     GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),
     GemmVariant("fp8-s5", 128, replace(_FP8_S5, use_tma=True), "fp8"),
-    # decode pieces (Tuning.decode_rows, session 7): the weight tile as the MMA row operand,
-    # the m-block's rows in pieces of 16 / 32; 4 warps; L1 4 stages (one program per SM) or 6
-    # (bf16 L1 64-wide: 6 stages, two per SM), L2 6 stages (two per SM)
-    GemmVariant("dec16", 128, replace(_DEC, decode_rows=16)),
-    GemmVariant("dec16-l1s6", 128, replace(_DEC, decode_rows=16, l1_stages=6)),
-    GemmVariant("dec16-l1n64", 128, replace(_DEC, decode_rows=16, l1_block_n=64, l1_stages=6)),
-    GemmVariant("dec32", 128, replace(_DEC, decode_rows=32)),
-    GemmVariant("fp8-dec16", 128, replace(_DEC8, decode_rows=16), "fp8"),
-    GemmVariant("fp8-dec16-l1s6", 128, replace(_DEC8, decode_rows=16, l1_stages=6), "fp8"),
-    GemmVariant("fp8-dec32", 128, replace(_DEC8, decode_rows=32), "fp8"),
+    # decode pieces (Tuning.decode_rows, session 7): the weight tile as the MMA row operand.
+    # dec16 / dec32 / fp8-dec16 / fp8-dec32: what Tuning.for_call picks (Tuning.decode: 4 warps,
+    # 6 stages, bf16 L1 64 wide); the others vary one launch shape of it
+    GemmVariant("dec16", 128, _BF16.decode(16, _DIMS_64)),
+    GemmVariant("dec32", 128, _BF16.decode(32, _DIMS_64)),
+    GemmVariant("dec16-l1n128", 128, replace(_BF16.decode(16, _DIMS_64), l1_block_n=128,
+                                             l1_stages=4)),   # one program per SM
+    GemmVariant("dec16-l2n64", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64)),
+    GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,
+                                             l2_stages=4)),
+    GemmVariant("fp8-dec16", 128, replace(_FP8, use_tma=True).decode(16, _DIMS_FP8), "fp8"),
+    GemmVariant("fp8-dec32", 128, replace(_FP8, use_tma=True).decode(32, _DIMS_FP8), "fp8"),
+    GemmVariant("fp8-dec16-l1s4", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
+                                               l1_stages=4), "fp8"),
     GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
     GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
     # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)

@@ -24,7 +24,7 @@ from .layout import DIAG_FIELDS
 
 __all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
            "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm",
-           "pick_slots"]
+           "pick_slots", "decode_rows_for"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -34,6 +34,21 @@ assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 CHUNK_TILE = 4
 EXPERT_CHUNK_TOKENS = 256
 EXPERT_CHUNK_BLOCKS = 1 << 30
+
+
+def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
+                    block_m: int) -> int:
+    """``Tuning.decode_rows`` for a call (0: off): the least of 16 and 32 that is at least
+    the rows an expert is likely to get under uniform routing (mean + 3 standard deviations
+    + 1 of a Poisson count with mean tokens * ranks * top_k / num_experts), and that bounds
+    the worst case: an expert receives at most tokens * ranks rows (one per token), which
+    may take at most 4 pieces (4 reads of its weights, e.g. under a skewed router)."""
+    rows = tokens * ranks
+    mean = rows * top_k / max(num_experts, 1)
+    for dm in (16, 32):
+        if block_m % dm == 0 and mean + 3 * mean ** 0.5 + 1 <= dm and rows <= 4 * dm:
+            return dm
+    return 0
 
 
 @dataclass(frozen=True)
@@ -93,14 +108,14 @@ class Tuning:
         ignores it; the fused launch does not use it). Off: measured on 2x H200 it saved at
         most ~4 µs at 1 token and cost 3-10 % from 128 tokens up (benchmarks/NOTES.md,
         session 6).
-    decode_rows: 0 (off), 16, 32 or 64: the staged L1 and L2 multiply an m-block's valid rows
-        in pieces of this many rows, with the weight tile as the MMA's row operand (swap AB:
-        [block_n, rows] accumulators), so a block of a few decode tokens costs a 16-column MMA
-        instead of a block_m-row tile of padding (fp8 L1 also loads by descriptor then). Each
-        piece reads the block's weights once: meant for calls whose experts receive at most
-        that many rows (``for_call``). Must divide block_m; needs l2_signal "rank"; the L2
-        runs its plain loop in pieces (l2_flat and l2_split_m do not apply); the fused launch
-        ignores it.
+    decode_rows: 0 (off), 16, 32 or 64: the staged L1 and L2 compute each block as weights @
+        rows^T (swap AB: the weight tile is the MMA's row operand, [block_n, rows]
+        accumulators) in pieces of this many valid rows, so a block of a few decode tokens
+        costs a 16-column MMA instead of a block_m-row tile of padding (the fp8 L1 loads by
+        descriptor then). Each piece reads the block's weights again: ``for_call`` turns it
+        on only when the call's rows per expert cannot exceed 4 pieces (session 7). Must
+        divide block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and
+        l2_split_m do not apply); the fused launch ignores it.
     """
 
     programs: int = 0
@@ -169,21 +184,43 @@ class Tuning:
         return cls.hopper(buffer.config.block_m, buffer.config.dtype)
 
     @classmethod
-    def for_call(cls, buffer: SymmBuffer, tokens: int) -> "Tuning":
-        """``for_buffer``, with L1 column blocks narrowed when a call touches so few experts
-        that 128-wide blocks leave SMs idle (decode: each block then streams its weights
-        alone). ``tokens``: the most tokens any local rank passes in this call."""
+    def for_call(cls, buffer: SymmBuffer, tokens: int, *, decode: bool = True) -> "Tuning":
+        """``for_buffer`` fitted to a call's size. ``tokens``: the most tokens any local rank
+        passes in this call (peers are assumed to pass no more).
+
+        Decode-sized calls (``decode_rows_for``; ``decode``, the staged path) run both GEMMs
+        in decode pieces with the weights as the MMA row operand: 4 warps, 6 stages, L2 and
+        the bf16 L1 two programs per SM (bf16 L1 blocks 64 wide; session 7: 1.1-1.9x faster
+        GEMMs at 16 rows per expert, fp8 most). Otherwise L1 column blocks are narrowed when
+        a call touches so few experts that 128-wide blocks leave SMs idle (each block then
+        streams its weights alone)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
-        if not sms or buffer.config.dtype == "fp8":   # fp8: a block quantizes 128 columns
+        if not sms:
             return t
         cfg = buffer.config
+        fp8 = cfg.dtype == "fp8"
+        dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
+                             num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
+        if dm:
+            return t.decode(dm, cfg)
+        if fp8:   # fp8: a block quantizes 128 columns
+            return t
         # under uniform routing a rank receives about tokens * top_k picks
         touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
         bn = t.l1_tile(cfg)[0]
         while bn > 32 and touched * (cfg.intermediate // bn) < sms:
             bn //= 2
         return replace(t, l1_block_n=bn)
+
+    def decode(self, rows: int, cfg) -> "Tuning":
+        """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
+        (session 7): 4 warps and 6 stages for both GEMMs; bf16 L1 blocks 64 wide (110 KB of
+        shared memory: two programs per SM), fp8 L1 blocks 128 wide (one 128-column scale
+        group; one program per SM); L2 128 wide, two per SM."""
+        l1n = 128 if cfg.dtype == "fp8" or cfg.intermediate % 64 else 64
+        return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=6,
+                       l2_warps=4, l2_stages=6, l2_split_m=1, l2_flat=False)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
@@ -656,7 +693,7 @@ def fused_tuning(buffer: SymmBuffer, tokens: int, *, tuning: Tuning | None = Non
     """The tuning a fused call with ``tokens`` tokens (the most of any local rank) runs with:
     ``tuning`` (default: ``Tuning.for_call(...).for_fused(...)``), its dispatch task size
     resolved from ``dispatch_programs`` in token mode, in streaming mode ``granularity``."""
-    tuning = tuning or Tuning.for_call(buffer, tokens).for_fused(buffer)
+    tuning = tuning or Tuning.for_call(buffer, tokens, decode=False).for_fused(buffer)
     if tuning.dispatch_programs and granularity == "token":
         tuning = replace(tuning, dispatch_tokens=max(1, cdiv(buffer.num_ranks * tokens,
                                                              tuning.dispatch_programs)))

@@ -500,6 +500,36 @@ def test_decode_rows_must_fit_the_block(gen):
         stages.Tuning(decode_rows=64).decode_pieces(small_config(block_m=32))
 
 
+@pytest.mark.parametrize("tokens, ranks, top_k, experts, block_m, want", [
+    (1, 2, 8, 256, 128, 16),     # dsv3 decode: ~0.06 rows per expert
+    (32, 2, 8, 256, 128, 16),    # dsv3 T=32: mean 2, at most 64 rows = 4 pieces of 16
+    (64, 2, 8, 256, 128, 32),    # at most 128 rows: 4 pieces of 32, not 8 of 16
+    (128, 2, 8, 256, 128, 0),    # 256 rows could reach one expert: off
+    (32, 2, 2, 8, 128, 32),      # mixtral T=32: mean 16 rows (Poisson tail past 16)
+    (64, 2, 2, 8, 128, 0),       # mixtral T=64: mean 32 rows, off
+    (8, 2, 2, 8, 16, 16),        # block_m 16 takes pieces of 16 only
+    (32, 2, 2, 8, 16, 0),        # ... and 32 would be needed: off
+    (0, 2, 8, 256, 128, 16),     # no tokens: nothing to lose
+])
+def test_decode_rows_rule(tokens, ranks, top_k, experts, block_m, want):
+    assert stages.decode_rows_for(tokens=tokens, ranks=ranks, top_k=top_k,
+                                  num_experts=experts, block_m=block_m) == want
+
+
+def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
+    # with the GPU's SM count in place (a CPU buffer otherwise keeps the interpreter's tiles):
+    # a decode call gets pieces and their launch shapes, a large one and the fused path don't
+    from dataclasses import replace as dc_replace
+    cfg = MoEConfig.from_shape("dsv3", max_tokens_per_rank=256)
+    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+    buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
+    t = stages.Tuning.for_call(buf, 1)
+    assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 6)
+    assert stages.Tuning.for_call(buf, 256).decode_rows == 0
+    assert stages.fused_tuning(buf, 1).decode_rows == 0
+    buf.destroy()
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("T, K, E, case", [
     (1, 2, 8, "random"),        # T=1: one token's picks

@@ -31,7 +31,15 @@ def compiled_rows() -> list[dict]:
 @pytest.fixture(scope="module")
 def compiled(compiled_rows) -> dict[str, dict]:
     """The bf16 layer's kernels by name (its GPU defaults and fused variants)."""
-    return {r["name"]: r for r in compiled_rows if not r["kernel"].endswith((" fp8", " pdl"))}
+    return {r["name"]: r for r in compiled_rows
+            if not r["kernel"].endswith((" fp8", " pdl", " decode"))}
+
+
+@pytest.fixture(scope="module")
+def compiled_decode(compiled_rows) -> dict[str, dict]:
+    """The staged GEMMs in decode pieces (Tuning.decode), bf16 and fp8, by (name, dtype)."""
+    return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 decode") else "bf16"): r
+            for r in compiled_rows if r["kernel"].endswith(" decode")}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +119,22 @@ def test_resident_programs_of_the_staged_gemms(compiled, compiled_fp8):
     assert fit(compiled["l2_kernel"]) == 2, compiled["l2_kernel"]
     assert fit(compiled_fp8["l1_kernel"]) == 1, compiled_fp8["l1_kernel"]
     assert fit(compiled_fp8["l2_kernel"]) == 2, compiled_fp8["l2_kernel"]   # 64-row pieces
+
+
+def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
+    # weights as the MMA row operand with 16 token columns: bf16 HGMMA / e4m3 GMMA, no
+    # spill; the bf16 L1 (64-wide blocks) and both L2s fit two programs per SM, the fp8 L1
+    # (128-wide: one scale group) one
+    from moestream.stages import resident_per_sm
+    want_fit = {("l1_kernel", "bf16"): 2, ("l2_kernel", "bf16"): 2,
+                ("l1_kernel", "fp8"): 1, ("l2_kernel", "fp8"): 2}
+    assert set(want_fit) <= set(compiled_decode), sorted(compiled_decode)
+    for key, fit in want_fit.items():
+        row = compiled_decode[key]
+        mma = row["e4m3_gmma"] if key[1] == "fp8" else row["hgmma"]
+        assert mma > 0 and row["hmma"] == 0 and row["stack_bytes"] == 0, row
+        assert resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
+                               warps=row["num_warps"]) == fit, row
 
 
 @pytest.mark.parametrize("regs,shared,warps,want", [
