@@ -72,19 +72,16 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),
     GemmVariant("fp8-s5", 128, replace(_FP8_S5, use_tma=True), "fp8"),
     # decode pieces (Tuning.decode_rows, session 7): the weight tile as the MMA row operand.
-    # dec16 / dec32 / fp8-dec16 / fp8-dec32: what Tuning.for_call picks (Tuning.decode: 4 warps,
-    # 6 stages, bf16 L1 64 wide); the others vary one launch shape of it
+    # dec16 / fp8-dec16: what Tuning.for_call picks (Tuning.decode); the others vary it
     GemmVariant("dec16", 128, _BF16.decode(16, _DIMS_64)),
     GemmVariant("dec32", 128, _BF16.decode(32, _DIMS_64)),
     GemmVariant("dec16-l1n128", 128, replace(_BF16.decode(16, _DIMS_64), l1_block_n=128,
                                              l1_stages=4)),   # one program per SM
-    GemmVariant("dec16-l2n64", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64)),
-    GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,
-                                             l2_stages=4)),
     GemmVariant("fp8-dec16", 128, replace(_FP8, use_tma=True).decode(16, _DIMS_FP8), "fp8"),
     GemmVariant("fp8-dec32", 128, replace(_FP8, use_tma=True).decode(32, _DIMS_FP8), "fp8"),
-    GemmVariant("fp8-dec16-l1s4", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
-                                               l1_stages=4), "fp8"),
+    GemmVariant("fp8-dec16-w8", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
+                                             l1_warps=8, l1_stages=4, l2_warps=8,
+                                             l2_stages=4), "fp8"),
     GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
     GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
     # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)

@@ -38,16 +38,15 @@ EXPERT_CHUNK_BLOCKS = 1 << 30
 
 def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
                     block_m: int) -> int:
-    """``Tuning.decode_rows`` for a call (0: off): the least of 16 and 32 that is at least
-    the rows an expert is likely to get under uniform routing (mean + 3 standard deviations
-    + 1 of a Poisson count with mean tokens * ranks * top_k / num_experts), and that bounds
-    the worst case: an expert receives at most tokens * ranks rows (one per token), which
-    may take at most 4 pieces (4 reads of its weights, e.g. under a skewed router)."""
-    rows = tokens * ranks
-    mean = rows * top_k / max(num_experts, 1)
-    for dm in (16, 32):
-        if block_m % dm == 0 and mean + 3 * mean ** 0.5 + 1 <= dm and rows <= 4 * dm:
-            return dm
+    """``Tuning.decode_rows`` for a call (0: off): 16 when an expert is unlikely to receive
+    more than 32 rows under uniform routing (mean + 3 standard deviations + 1 of a Poisson
+    count with mean tokens * ranks * top_k / num_experts, at most 32): blocks of up to 16
+    rows then run one 16-row piece and blocks of 17-32 one 32-row piece, each reading its
+    weights once (session 7: faster than the 128-row tiles at 16 and 32 rows per expert).
+    A hot expert's fuller blocks take up to block_m / 32 pieces."""
+    mean = tokens * ranks * top_k / max(num_experts, 1)
+    if block_m % 16 == 0 and mean + 3 * mean ** 0.5 + 1 <= 32:
+        return 16
     return 0
 
 
@@ -108,14 +107,15 @@ class Tuning:
         ignores it; the fused launch does not use it). Off: measured on 2x H200 it saved at
         most ~4 µs at 1 token and cost 3-10 % from 128 tokens up (benchmarks/NOTES.md,
         session 6).
-    decode_rows: 0 (off), 16, 32 or 64: the staged L1 and L2 compute each block as weights @
+    decode_rows: 0 (off), 16 or 32: the staged L1 and L2 compute each block as weights @
         rows^T (swap AB: the weight tile is the MMA's row operand, [block_n, rows]
-        accumulators) in pieces of this many valid rows, so a block of a few decode tokens
-        costs a 16-column MMA instead of a block_m-row tile of padding (the fp8 L1 loads by
-        descriptor then). Each piece reads the block's weights again: ``for_call`` turns it
-        on only when the call's rows per expert cannot exceed 4 pieces (session 7). Must
-        divide block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and
-        l2_split_m do not apply); the fused launch ignores it.
+        accumulators): a block of at most decode_rows valid rows as one piece of that many
+        rows, so a few decode tokens cost a 16-column MMA instead of a block_m-row tile of
+        padding (the fp8 L1 loads by descriptor then); a fuller block in pieces of 32 rows
+        (rows by pointer). Each piece reads the block's weights once. ``for_call`` turns it
+        on for calls whose experts expect few rows (``decode_rows_for``). Must divide
+        block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and l2_split_m
+        do not apply); the fused launch ignores it.
     """
 
     programs: int = 0
@@ -188,12 +188,11 @@ class Tuning:
         """``for_buffer`` fitted to a call's size. ``tokens``: the most tokens any local rank
         passes in this call (peers are assumed to pass no more).
 
-        Decode-sized calls (``decode_rows_for``; ``decode``, the staged path) run both GEMMs
-        in decode pieces with the weights as the MMA row operand: 4 warps, 6 stages, L2 and
-        the bf16 L1 two programs per SM (bf16 L1 blocks 64 wide; session 7: 1.1-1.9x faster
-        GEMMs at 16 rows per expert, fp8 most). Otherwise L1 column blocks are narrowed when
-        a call touches so few experts that 128-wide blocks leave SMs idle (each block then
-        streams its weights alone)."""
+        Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
+        GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
+        session 7: 1.1-1.9x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
+        column blocks are narrowed when a call touches so few experts that 128-wide blocks
+        leave SMs idle (each block then streams its weights alone)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
         if not sms:
@@ -215,10 +214,13 @@ class Tuning:
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
-        (session 7): 4 warps and 6 stages for both GEMMs; bf16 L1 blocks 64 wide (110 KB of
-        shared memory: two programs per SM), fp8 L1 blocks 128 wide (one 128-column scale
-        group; one program per SM); L2 128 wide, two per SM."""
-        l1n = 128 if cfg.dtype == "fp8" or cfg.intermediate % 64 else 64
+        (session 7), 4 warps each: bf16 L1 blocks 64 wide, L1 and L2 6 stages (110 KB of
+        shared memory: two programs per SM); fp8 L1 128 wide (one scale group), 5 stages (one
+        program per SM), L2 5 stages (two per SM); L2 blocks 128 wide."""
+        if cfg.dtype == "fp8":
+            return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=5,
+                           l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
+        l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=6,
                        l2_warps=4, l2_stages=6, l2_split_m=1, l2_flat=False)
 
@@ -256,8 +258,8 @@ class Tuning:
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
-        if type(self.decode_rows) is not int or self.decode_rows not in (0, 16, 32, 64):
-            raise ValueError(f"Tuning.decode_rows must be 0 (off), 16, 32 or 64, got "
+        if type(self.decode_rows) is not int or self.decode_rows not in (0, 16, 32):
+            raise ValueError(f"Tuning.decode_rows must be 0 (off), 16 or 32, got "
                              f"{self.decode_rows!r}")
         if self.decode_rows and self.l2_signal != "rank":
             raise ValueError("Tuning.decode_rows needs l2_signal='rank' (decode pieces of an "

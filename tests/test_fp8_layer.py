@@ -234,7 +234,8 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("Ts, tuning", [
-    # block_m 32 in pieces of 16 rows: first pieces full, second ones partial (by descriptor)
+    # block_m 32: blocks of ~30 rows in one 32-row piece, rows by pointer, weights by
+    # descriptor
     ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128,
                              l2_epilogue_split=2)),
     # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
@@ -246,6 +247,15 @@ def test_fp8_decode_pieces(device, gen, Ts, tuning):
     # weight tile as the MMA row operand
     check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
                           Ts, tuning, gen, device, drop=0.05)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fp8_decode_pieces_of_a_full_block(device, gen):
+    # block_m 64, two experts, top-2: ~57 rows per expert, so two 32-row pieces per m-block
+    # (r0 = 32 for the second: its rows' scales and combine slots); T=3 on one rank
+    check_tuned_fp8_layer(fp8_config(num_experts=2, block_m=64, max_tokens_per_rank=64),
+                          [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128),
+                          gen, device, drop=0.05)
 
 
 def test_fp8_is_close_to_the_bf16_layer(gen):

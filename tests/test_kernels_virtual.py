@@ -483,32 +483,42 @@ def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # l2_flat and l2_split_m are set but do not apply in decode pieces
     ([1, 2], stages.Tuning(decode_rows=32, use_tma=True, l2_flat=True, l2_split_m=2,
                            wait=False)),
-], ids=["two-pieces-tma", "two-pieces-pointers", "decode-T1"])
+], ids=["wide-piece-tma", "wide-piece-pointers", "decode-T1"])
 def test_decode_pieces_compute_the_same_layer(device, gen, Ts, tuning):
-    # L1 and L2 with the weight tile as the MMA row operand, in pieces of decode_rows rows
+    # L1 and L2 with the weight tile as the MMA row operand: blocks of <= decode_rows rows
+    # in one piece, fuller ones (~30 rows of a 32-row block here) in one 32-row piece
     check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
                       Ts, tuning, gen, device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_decode_pieces_of_a_full_block(device, gen):
+    # block_m 64, two experts, top-2: ~57 rows per expert, so two 32-row pieces per m-block
+    # (the second partly filled, its L2 rows in the block's second half); T=3 on one rank
+    check_tuned_layer(small_config(block_m=64, max_tokens_per_rank=64, num_experts=2),
+                      [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64),
+                      gen, device)
 
 
 def test_decode_rows_must_fit_the_block(gen):
     # user errors name the field and what is allowed
     with pytest.raises(ValueError, match="decode_rows must be 0"):
-        stages.Tuning(decode_rows=24)
+        stages.Tuning(decode_rows=64)
     with pytest.raises(ValueError, match="l2_signal='rank'"):
         stages.Tuning(decode_rows=16, l2_signal="rows")
-    with pytest.raises(ValueError, match="must divide block_m=32"):
-        stages.Tuning(decode_rows=64).decode_pieces(small_config(block_m=32))
+    with pytest.raises(ValueError, match="must divide block_m=16"):
+        stages.Tuning(decode_rows=32).decode_pieces(small_config(block_m=16))
 
 
 @pytest.mark.parametrize("tokens, ranks, top_k, experts, block_m, want", [
     (1, 2, 8, 256, 128, 16),     # dsv3 decode: ~0.06 rows per expert
-    (32, 2, 8, 256, 128, 16),    # dsv3 T=32: mean 2, at most 64 rows = 4 pieces of 16
-    (64, 2, 8, 256, 128, 32),    # at most 128 rows: 4 pieces of 32, not 8 of 16
-    (128, 2, 8, 256, 128, 0),    # 256 rows could reach one expert: off
-    (32, 2, 2, 8, 128, 32),      # mixtral T=32: mean 16 rows (Poisson tail past 16)
-    (64, 2, 2, 8, 128, 0),       # mixtral T=64: mean 32 rows, off
-    (8, 2, 2, 8, 16, 16),        # block_m 16 takes pieces of 16 only
-    (32, 2, 2, 8, 16, 0),        # ... and 32 would be needed: off
+    (128, 2, 8, 256, 128, 16),   # dsv3 T=128: mean 8, rarely past 32 rows
+    (256, 2, 8, 256, 128, 16),   # mean 16: 16 + 12 + 1 <= 32
+    (512, 2, 8, 256, 128, 0),    # mean 32: 128-row tiles
+    (32, 2, 2, 8, 128, 16),      # mixtral T=32: mean 16
+    (64, 2, 2, 8, 128, 0),       # mixtral T=64: mean 32, off
+    (8, 2, 2, 8, 16, 16),        # block_m 16 takes pieces of 16
+    (1, 2, 2, 8, 24, 0),         # block_m 24 (not a multiple of 16): off
     (0, 2, 8, 256, 128, 16),     # no tokens: nothing to lose
 ])
 def test_decode_rows_rule(tokens, ranks, top_k, experts, block_m, want):
@@ -525,7 +535,8 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
     t = stages.Tuning.for_call(buf, 1)
     assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 6)
-    assert stages.Tuning.for_call(buf, 256).decode_rows == 0
+    assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
+    assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     assert stages.fused_tuning(buf, 1).decode_rows == 0
     buf.destroy()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, tl, to_bf16, triton, wait_at_least)
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
-                       l2_fp8_decode_acc)
+                       l2_fp8_swap_acc)
 
 
 @triton.jit
@@ -122,47 +122,66 @@ def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_des
 def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """``l1_block`` for decode (``Tuning.decode_rows``): the m-block's valid rows in pieces of
-    DM, each computed as weights @ rows^T ([BN, DM] accumulators: the weight tile is the MMA's
-    row operand, so 16 tokens cost 16 MMA columns instead of a 128-row tile of padding).
-    Weights are read once per piece (once when valid_m <= DM). USE_TMA: ``a_desc`` has DM-row
-    tiles."""
+    """``l1_block`` for decode (``Tuning.decode_rows``): computed as weights @ rows^T
+    ([BN, rows] accumulators: the weight tile is the MMA's row operand). A block of at most
+    DM valid rows is one piece of DM rows, so a few decode tokens cost a DM-column MMA
+    instead of a BM-row tile of padding; a fuller block (a hot expert) runs in pieces of
+    WIDE = min(32, BM) rows, its rows by pointer (``a_desc`` has DM-row tiles). Each piece
+    reads the block's weights once."""
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM
+    vm = meta & 511
+    if vm <= DM:
+        l1_swap_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I, BM,
+                     BN, BK, DM, UPCAST, USE_TMA, USE_TMA)
+    else:
+        for r0 in range(0, vm, WIDE):
+            l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+                         BM, BN, BK, WIDE, UPCAST, False, USE_TMA)
+    tl.debug_barrier()  # all rows stored before the count is released
+    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                 UPCAST: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+    """Rows r0 .. r0+ROWS-1 of an L1 block as [BN, ROWS] = gate/up tiles @ rows^T, SwiGLU x
+    weight, stored transposed (rows past valid_m are not). A_TMA / W_TMA: rows (a descriptor
+    of ROWS-row tiles) / weights by descriptor."""
     e = meta >> 9
     vm = meta & 511
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
-    for r0 in range(0, vm, DM):
-        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
-        a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-        wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-        wu_ptrs = wg_ptrs + I * H
-        acc_g = tl.zeros([BN, DM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, DM], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            if USE_TMA:
-                a = a_desc.load([mb * BM + r0, k0])
-                g = w_desc.load([e * 2 * I + nb * BN, k0])
-                u = w_desc.load([e * 2 * I + I + nb * BN, k0])
-            else:
-                a = tl.load(a_ptrs)
-                g = tl.load(wg_ptrs)
-                u = tl.load(wu_ptrs)
-            if UPCAST:   # as l1_block
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_g = tl.dot(g, a.T, acc_g)
-            acc_u = tl.dot(u, a.T, acc_u)
-            a_ptrs += BK
-            wg_ptrs += BK
-            wu_ptrs += BK
-        rv = r0 + tl.arange(0, DM) < vm
-        w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
-        act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, DM]
-        tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST),
-                 mask=rv[None, :])
-    tl.debug_barrier()  # all rows stored before the count is released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
+    a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
+    wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    wu_ptrs = wg_ptrs + I * H
+    acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if A_TMA:
+            a = a_desc.load([mb * BM + r0, k0])
+        else:
+            a = tl.load(a_ptrs)
+        if W_TMA:
+            g = w_desc.load([e * 2 * I + nb * BN, k0])
+            u = w_desc.load([e * 2 * I + I + nb * BN, k0])
+        else:
+            g = tl.load(wg_ptrs)
+            u = tl.load(wu_ptrs)
+        if UPCAST:   # as l1_block
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(g, a.T, acc_g)
+        acc_u = tl.dot(u, a.T, acc_u)
+        a_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+    rv = r0 + tl.arange(0, ROWS) < vm
+    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
+    tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST), mask=rv[None, :])
 
 
 @triton.jit
@@ -214,18 +233,27 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces of DM rows (``l2_fp8_decode_acc``; without SIGNAL_ROWS)."""
+    DM > 0: decode pieces (``l2_fp8_swap_acc``; without SIGNAL_ROWS)."""
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
-    if DM > 0:
+    if DM > 0:   # pieces as l2_decode_block
         tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
+        WIDE: tl.constexpr = 32 if BM >= 32 else BM
         vm = meta & 511
-        for r0 in range(0, vm, DM):
-            acc = l2_fp8_decode_acc(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
-                                    AB // 4, BM, BN, BK, DM, a_desc, w_desc, USE_TMA)
+        if vm <= DM:
+            acc = l2_fp8_swap_acc(mb, 0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
+                                  AB // 4, BM, BN, BK, DM, a_desc, w_desc, USE_TMA, USE_TMA)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
-                        False, EPI_SPLIT, r0 // DM, BM // DM)
+                        False, EPI_SPLIT, 0, BM // DM)
+        else:
+            for r0 in range(0, vm, WIDE):
+                acc_w = l2_fp8_swap_acc(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
+                                        AB // 4, BM, BN, BK, WIDE, a_desc, w_desc, False,
+                                        USE_TMA)
+                l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                            off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                            False, EPI_SPLIT, r0 // WIDE, BM // WIDE)
     else:
         acc = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM, BN,
                          BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
@@ -352,34 +380,55 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
                     EPI_SPLIT: tl.constexpr):
-    """``l2_block`` for decode (``Tuning.decode_rows``, as ``l1_decode_block``): valid rows in
-    pieces of DM, each [BN, DM] = w2 tile @ rows^T, transposed into the combine slots (the
-    caller signals: per program, ``l2_kernel``'s RANK_SIGNAL)."""
-    e = meta >> 9
+    """``l2_block`` for decode (pieces as ``l1_decode_block``): [BN, rows] = w2 tile @ rows^T,
+    transposed into the combine slots (the caller signals: per program, ``l2_kernel``'s
+    RANK_SIGNAL)."""
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM
     vm = meta & 511
+    if vm <= DM:
+        acc = l2_swap_acc(mb, 0, nb, meta >> 9, pool_act, w2, a_desc, w_desc, H, I, BM, BN, BK,
+                          DM, UPCAST, USE_TMA, USE_TMA)
+        l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                    off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                    EPI_SPLIT, 0, BM // DM)
+    else:
+        for r0 in range(0, vm, WIDE):
+            # its own name: Triton's if needs a value of one shape in both branches
+            acc_w = l2_swap_acc(mb, r0, nb, meta >> 9, pool_act, w2, a_desc, w_desc, H, I, BM,
+                                BN, BK, WIDE, UPCAST, False, USE_TMA)
+            l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        EPI_SPLIT, r0 // WIDE, BM // WIDE)
+
+
+@triton.jit
+def l2_swap_acc(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+                A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
+    computed as w2 tile @ rows^T and transposed. A_TMA / W_TMA as ``l1_swap_rows``."""
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
-    for r0 in range(0, vm, DM):
-        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
-        a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
-        w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-        acc = tl.zeros([BN, DM], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            if USE_TMA:
-                a = a_desc.load([mb * BM + r0, k0])
-                w = w_desc.load([e * H + nb * BN, k0])
-            else:
-                a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(w, a.T, acc)
-            a_ptrs += BK
-            w_ptrs += BK
-        l2_epilogue(tl.trans(acc), mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                    off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
-                    EPI_SPLIT, r0 // DM, BM // DM)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
+    a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
+    w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
+    acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if A_TMA:
+            a = a_desc.load([mb * BM + r0, k0])
+        else:
+            a = tl.load(a_ptrs)
+        if W_TMA:
+            w = w_desc.load([e * H + nb * BN, k0])
+        else:
+            w = tl.load(w_ptrs)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, a.T, acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    return tl.trans(acc)
 
 
 @triton.jit

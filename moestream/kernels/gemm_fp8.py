@@ -284,52 +284,73 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         DM: tl.constexpr, a_desc, w_desc, USE_TMA: tl.constexpr,
                         FIX_ROUNDING: tl.constexpr):
-    """``l1_fp8_block`` for decode (``Tuning.decode_rows``): the m-block's valid rows in pieces
-    of DM, each [BN, DM] = weights @ rows^T so the weight tile fills the MMA's 64-row side and
-    a piece of 16 tokens costs 16 columns of MMA, not a 128-row tile of padding. Weights are
-    read once per piece (once when vm <= DM). USE_TMA: descriptors of DM-row x tiles and BN-row
-    weight tiles over [E * 2I, H] (``fp8_descriptors``)."""
+    """``l1_fp8_block`` for decode (``Tuning.decode_rows``; pieces as kernels/gemm.py's
+    ``l1_decode_block``): [BN, rows] = weights @ rows^T, one piece of DM rows when vm <= DM
+    (the weight tile fills the MMA's 64-row side; 16 tokens cost 16 MMA columns, not a
+    128-row tile of padding), else pieces of min(32, BM) rows with rows by pointer. USE_TMA:
+    ``a_desc`` of DM-row x tiles, ``w_desc`` of BN-row weight tiles over [E * 2I, H]
+    (``fp8_descriptors``)."""
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM
+    if vm <= DM:
+        l1_fp8_swap_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
+                         H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM, a_desc,
+                         w_desc, USE_TMA, USE_TMA, FIX_ROUNDING)
+    else:
+        for r0 in range(0, vm, WIDE):
+            l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
+                             act_scale, H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN,
+                             BK, WIDE, a_desc, w_desc, False, USE_TMA, FIX_ROUNDING)
+
+
+@triton.jit
+def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H,
+                     I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, a_desc, w_desc,
+                     A_TMA: tl.constexpr, W_TMA: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """Rows r0 .. r0+ROWS-1 of an fp8 L1 block, the weights as the MMA row operand; A_TMA /
+    W_TMA: rows (a descriptor of ROWS-row tiles) / weights by descriptor."""
     KB = H // BK
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
     sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
     su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
-    for r0 in range(0, vm, DM):
-        rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
-        a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
-        wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-        wu_ptrs = wg_ptrs + I * H
-        xs_ptrs = x_scale + rows * XS_STRIDE
-        acc_g = tl.zeros([BN, DM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, DM], dtype=tl.float32)
-        for kb in range(0, KB):
-            if USE_TMA:
-                a = a_desc.load([mb * BM + r0, kb * BK])
-                g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
-                u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
-            else:
-                a = tl.load(a_ptrs)
-                g = tl.load(wg_ptrs)
-                u = tl.load(wu_ptrs)
-            xs = tl.load(xs_ptrs + kb)
-            acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
-            acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
-            a_ptrs += BK
-            wg_ptrs += BK
-            wu_ptrs += BK
-        l1_fp8_epilogue(tl.trans(acc_g), tl.trans(acc_u), mb, nb, vm, pool_w, act_q, act_scale,
-                        A_STRIDE, AS_STRIDE, BM, BN, FIX_ROUNDING, r0)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
+    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
+    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    wu_ptrs = wg_ptrs + I * H
+    xs_ptrs = x_scale + rows * XS_STRIDE
+    acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
+    for kb in range(0, KB):
+        if A_TMA:
+            a = a_desc.load([mb * BM + r0, kb * BK])
+        else:
+            a = tl.load(a_ptrs)
+        if W_TMA:
+            g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
+            u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
+        else:
+            g = tl.load(wg_ptrs)
+            u = tl.load(wu_ptrs)
+        xs = tl.load(xs_ptrs + kb)
+        acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
+        acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
+        a_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+    l1_fp8_epilogue(tl.trans(acc_g), tl.trans(acc_u), mb, nb, vm, pool_w, act_q, act_scale,
+                    A_STRIDE, AS_STRIDE, BM, BN, FIX_ROUNDING, r0)
 
 
 @triton.jit
-def l2_fp8_decode_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                      a_desc, w_desc, USE_TMA: tl.constexpr):
-    """fp32 [DM, BN]: rows r0 .. r0+DM-1 of m_block @ w2[e]^T, columns of n_block, computed as
-    weights @ rows^T (swap AB, as ``l1_fp8_decode_block``) and transposed."""
+def l2_fp8_swap_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                    a_desc, w_desc, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
+    computed as weights @ rows^T (as ``l1_fp8_swap_rows``) and transposed."""
     KB = I // BK
-    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, DM)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
@@ -337,13 +358,15 @@ def l2_fp8_decode_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE,
     w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
     as_ptrs = act_scale + rows * AS_STRIDE
     ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
-    acc = tl.zeros([BN, DM], dtype=tl.float32)
+    acc = tl.zeros([BN, ROWS], dtype=tl.float32)
     for kb in range(0, KB):
-        if USE_TMA:
+        if A_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
-            w = w_desc.load([e * H + nb * BN, kb * BK])
         else:
             a = tl.load(a_ptrs)
+        if W_TMA:
+            w = w_desc.load([e * H + nb * BN, kb * BK])
+        else:
             w = tl.load(w_ptrs)
         acc = fp8_swap_step(acc, w, a, tl.load(as_ptrs + kb), tl.load(ws_ptrs + kb), BN)
         a_ptrs += BK
