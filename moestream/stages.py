@@ -214,15 +214,15 @@ class Tuning:
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
-        (session 7), 4 warps each: bf16 L1 blocks 64 wide, L1 and L2 6 stages (110 KB of
-        shared memory: two programs per SM); fp8 L1 128 wide (one scale group), 5 stages (one
-        program per SM), L2 5 stages (two per SM); L2 blocks 128 wide."""
+        (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, L1 and L2 two
+        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group), one
+        program per SM, L2 two; L2 blocks 128 wide."""
         if cfg.dtype == "fp8":
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=5,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
-        return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=6,
-                       l2_warps=4, l2_stages=6, l2_split_m=1, l2_flat=False)
+        return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
+                       l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2

@@ -534,7 +534,7 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
     buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
     t = stages.Tuning.for_call(buf, 1)
-    assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 6)
+    assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 5)
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     assert stages.fused_tuning(buf, 1).decode_rows == 0

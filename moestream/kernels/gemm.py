@@ -15,6 +15,10 @@ Legend:
                           AB bytes), weights e4m3 with fp32 scale_inv per 128x128 block (second
                           weight table); the block math is kernels/gemm_fp8.py's
 
+Decode pieces (DM constexpr, ``Tuning.decode_rows``): a block is computed as weights @ rows^T,
+one DM-row piece when it has at most DM valid rows, else pieces of DECODE_WIDE = min(32, BM)
+rows (written out where marked ``# DECODE_WIDE``: Triton 3.6 has no constexpr helpers).
+
 Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
 count reaches valid_m; an L2 block until all L1 column blocks of its m-block are done.
@@ -73,6 +77,22 @@ def l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.conste
 
 
 @triton.jit
+def decode_descriptors(a, rows, cols, row_stride, w, w_rows, w_cols, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr):
+    """Tensor descriptors of decode pieces: ((A [rows, cols] in DM-row tiles, the same in
+    tiles of DECODE_WIDE rows), weights [w_rows, w_cols] in [BN, BK] tiles). ``row_stride``
+    in elements of A (bf16 rows, or the fp8 layer's byte rows)."""
+    a_dm = tl.make_tensor_descriptor(a, shape=[rows, cols], strides=[row_stride, 1],
+                                     block_shape=[DM, BK])
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
+    a_wide = tl.make_tensor_descriptor(a, shape=[rows, cols], strides=[row_stride, 1],
+                                       block_shape=[WIDE, BK])
+    w_desc = tl.make_tensor_descriptor(w, shape=[w_rows, w_cols], strides=[w_cols, 1],
+                                       block_shape=[BN, BK])
+    return (a_dm, a_wide), w_desc
+
+
+@triton.jit
 def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
@@ -126,17 +146,17 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
     ([BN, rows] accumulators: the weight tile is the MMA's row operand). A block of at most
     DM valid rows is one piece of DM rows, so a few decode tokens cost a DM-column MMA
     instead of a BM-row tile of padding; a fuller block (a hot expert) runs in pieces of
-    WIDE = min(32, BM) rows, its rows by pointer (``a_desc`` has DM-row tiles). Each piece
-    reads the block's weights once."""
-    WIDE: tl.constexpr = 32 if BM >= 32 else BM
+    WIDE = min(32, BM) rows. Each piece reads the block's weights once. USE_TMA: ``a_desc``
+    is a pair of descriptors of DM-row and WIDE-row tiles (``decode_descriptors``)."""
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     vm = meta & 511
     if vm <= DM:
-        l1_swap_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I, BM,
-                     BN, BK, DM, UPCAST, USE_TMA, USE_TMA)
+        l1_swap_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[0], w_desc, H, I,
+                     BM, BN, BK, DM, UPCAST, USE_TMA)
     else:
         for r0 in range(0, vm, WIDE):
-            l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                         BM, BN, BK, WIDE, UPCAST, False, USE_TMA)
+            l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H,
+                         I, BM, BN, BK, WIDE, UPCAST, USE_TMA)
     tl.debug_barrier()  # all rows stored before the count is released
     tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
 
@@ -144,10 +164,10 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
 @triton.jit
 def l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                 UPCAST: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+                 UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     """Rows r0 .. r0+ROWS-1 of an L1 block as [BN, ROWS] = gate/up tiles @ rows^T, SwiGLU x
-    weight, stored transposed (rows past valid_m are not). A_TMA / W_TMA: rows (a descriptor
-    of ROWS-row tiles) / weights by descriptor."""
+    weight, stored transposed (rows past valid_m are not). USE_TMA: ``a_desc`` has ROWS-row
+    tiles."""
     e = meta >> 9
     vm = meta & 511
     kk = tl.arange(0, BK)
@@ -159,14 +179,12 @@ def l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc
     acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
     acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        if A_TMA:
+        if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
-        else:
-            a = tl.load(a_ptrs)
-        if W_TMA:
             g = w_desc.load([e * 2 * I + nb * BN, k0])
             u = w_desc.load([e * 2 * I + I + nb * BN, k0])
         else:
+            a = tl.load(a_ptrs)
             g = tl.load(wg_ptrs)
             u = tl.load(wu_ptrs)
         if UPCAST:   # as l1_block
@@ -238,19 +256,18 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
     if DM > 0:   # pieces as l2_decode_block
         tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
-        WIDE: tl.constexpr = 32 if BM >= 32 else BM
+        WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
         vm = meta & 511
         if vm <= DM:
             acc = l2_fp8_swap_acc(mb, 0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
-                                  AB // 4, BM, BN, BK, DM, a_desc, w_desc, USE_TMA, USE_TMA)
+                                  AB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                         False, EPI_SPLIT, 0, BM // DM)
         else:
             for r0 in range(0, vm, WIDE):
                 acc_w = l2_fp8_swap_acc(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
-                                        AB // 4, BM, BN, BK, WIDE, a_desc, w_desc, False,
-                                        USE_TMA)
+                                        AB // 4, BM, BN, BK, WIDE, a_desc[1], w_desc, USE_TMA)
                 l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                             off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                             False, EPI_SPLIT, r0 // WIDE, BM // WIDE)
@@ -310,12 +327,18 @@ def l1_kernel(
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     a_desc = 0
     w_desc = 0
-    if USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
-        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, DM if DM > 0 else BM, BN,
-                                        BK)
-    elif USE_TMA and DM > 0:   # fp8 decode pieces (the 128-row fp8 L1 keeps pointer loads)
-        a_desc, w_desc = fp8_descriptors(aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv),
-                                         P, H, XB, w13, E_LOC * 2 * I, DM, BN, BK)
+    if DM > 0 and not USE_TMA:
+        a_desc = (0, 0)      # the decode blocks index a pair
+    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row) A descriptors
+        if FP8:
+            a_desc, w_desc = decode_descriptors(
+                aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv), P, H, XB, w13,
+                E_LOC * 2 * I, H, BM, BN, BK, DM)
+        else:
+            a_desc, w_desc = decode_descriptors(pool_x, P, H, H, w13, E_LOC * 2 * I, H, BM, BN,
+                                                BK, DM)
+    elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
+        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
     total = tl.load(block_start + E_LOC) * NB
     ticket = pid
@@ -383,19 +406,19 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
     """``l2_block`` for decode (pieces as ``l1_decode_block``): [BN, rows] = w2 tile @ rows^T,
     transposed into the combine slots (the caller signals: per program, ``l2_kernel``'s
     RANK_SIGNAL)."""
-    WIDE: tl.constexpr = 32 if BM >= 32 else BM
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     vm = meta & 511
     if vm <= DM:
-        acc = l2_swap_acc(mb, 0, nb, meta >> 9, pool_act, w2, a_desc, w_desc, H, I, BM, BN, BK,
-                          DM, UPCAST, USE_TMA, USE_TMA)
+        acc = l2_swap_acc(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN,
+                          BK, DM, UPCAST, USE_TMA)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                     off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                     EPI_SPLIT, 0, BM // DM)
     else:
         for r0 in range(0, vm, WIDE):
             # its own name: Triton's if needs a value of one shape in both branches
-            acc_w = l2_swap_acc(mb, r0, nb, meta >> 9, pool_act, w2, a_desc, w_desc, H, I, BM,
-                                BN, BK, WIDE, UPCAST, False, USE_TMA)
+            acc_w = l2_swap_acc(mb, r0, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I,
+                                BM, BN, BK, WIDE, UPCAST, USE_TMA)
             l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                         EPI_SPLIT, r0 // WIDE, BM // WIDE)
@@ -404,9 +427,9 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
 @triton.jit
 def l2_swap_acc(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-                A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr):
     """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
-    computed as w2 tile @ rows^T and transposed. A_TMA / W_TMA as ``l1_swap_rows``."""
+    computed as w2 tile @ rows^T and transposed (USE_TMA as ``l1_swap_rows``)."""
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
@@ -414,13 +437,11 @@ def l2_swap_acc(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.conste
     w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
     acc = tl.zeros([BN, ROWS], dtype=tl.float32)
     for k0 in range(0, I, BK):
-        if A_TMA:
+        if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
-        else:
-            a = tl.load(a_ptrs)
-        if W_TMA:
             w = w_desc.load([e * H + nb * BN, k0])
         else:
+            a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         if UPCAST:
             a = a.to(tl.float32)
@@ -560,8 +581,18 @@ def l2_kernel(
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
     a_desc = 0
     w_desc = 0
-    BMT: tl.constexpr = DM if DM > 0 else BM // SPLIT_M   # rows of a descriptor tile
-    if USE_TMA:
+    BMT: tl.constexpr = BM // SPLIT_M
+    if DM > 0 and not USE_TMA:
+        a_desc = (0, 0)      # the decode blocks index a pair
+    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row) A descriptors
+        if FP8:
+            a_desc, w_desc = decode_descriptors(
+                aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,
+                E_LOC * H, I, BM, BN, BK, DM)
+        else:
+            a_desc, w_desc = decode_descriptors(pool_act, P, I, I, w2, E_LOC * H, I, BM, BN, BK,
+                                                DM)
+    elif USE_TMA:
         if FP8:
             a_desc, w_desc = fp8_descriptors(
                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,

@@ -287,28 +287,28 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
     """``l1_fp8_block`` for decode (``Tuning.decode_rows``; pieces as kernels/gemm.py's
     ``l1_decode_block``): [BN, rows] = weights @ rows^T, one piece of DM rows when vm <= DM
     (the weight tile fills the MMA's 64-row side; 16 tokens cost 16 MMA columns, not a
-    128-row tile of padding), else pieces of min(32, BM) rows with rows by pointer. USE_TMA:
-    ``a_desc`` of DM-row x tiles, ``w_desc`` of BN-row weight tiles over [E * 2I, H]
-    (``fp8_descriptors``)."""
-    WIDE: tl.constexpr = 32 if BM >= 32 else BM
+    128-row tile of padding), else pieces of min(32, BM) rows. USE_TMA: ``a_desc`` a pair of
+    descriptors of DM-row and 32-row x tiles, ``w_desc`` of BN-row weight tiles over
+    [E * 2I, H] (kernels/gemm.py's ``decode_descriptors``)."""
+    WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     if vm <= DM:
         l1_fp8_swap_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
-                         H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM, a_desc,
-                         w_desc, USE_TMA, USE_TMA, FIX_ROUNDING)
+                         H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM,
+                         a_desc[0], w_desc, USE_TMA, FIX_ROUNDING)
     else:
         for r0 in range(0, vm, WIDE):
             l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
                              act_scale, H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN,
-                             BK, WIDE, a_desc, w_desc, False, USE_TMA, FIX_ROUNDING)
+                             BK, WIDE, a_desc[1], w_desc, USE_TMA, FIX_ROUNDING)
 
 
 @triton.jit
 def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H,
                      I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, a_desc, w_desc,
-                     A_TMA: tl.constexpr, W_TMA: tl.constexpr, FIX_ROUNDING: tl.constexpr):
-    """Rows r0 .. r0+ROWS-1 of an fp8 L1 block, the weights as the MMA row operand; A_TMA /
-    W_TMA: rows (a descriptor of ROWS-row tiles) / weights by descriptor."""
+                     USE_TMA: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+    """Rows r0 .. r0+ROWS-1 of an fp8 L1 block, the weights as the MMA row operand; USE_TMA:
+    ``a_desc`` has ROWS-row tiles."""
     KB = H // BK
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
@@ -323,14 +323,12 @@ def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
     acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
     acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
     for kb in range(0, KB):
-        if A_TMA:
+        if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
-        else:
-            a = tl.load(a_ptrs)
-        if W_TMA:
             g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
             u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
         else:
+            a = tl.load(a_ptrs)
             g = tl.load(wg_ptrs)
             u = tl.load(wu_ptrs)
         xs = tl.load(xs_ptrs + kb)
@@ -346,7 +344,7 @@ def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
 @triton.jit
 def l2_fp8_swap_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                    a_desc, w_desc, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+                    a_desc, w_desc, USE_TMA: tl.constexpr):
     """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
     computed as weights @ rows^T (as ``l1_fp8_swap_rows``) and transposed."""
     KB = I // BK
@@ -360,13 +358,11 @@ def l2_fp8_swap_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, A
     ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
     acc = tl.zeros([BN, ROWS], dtype=tl.float32)
     for kb in range(0, KB):
-        if A_TMA:
+        if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
-        else:
-            a = tl.load(a_ptrs)
-        if W_TMA:
             w = w_desc.load([e * H + nb * BN, kb * BK])
         else:
+            a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         acc = fp8_swap_step(acc, w, a, tl.load(as_ptrs + kb), tl.load(ws_ptrs + kb), BN)
         a_ptrs += BK
