@@ -190,7 +190,7 @@ class Tuning:
 
         Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
         GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
-        session 7: 1.1-1.9x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
+        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
         column blocks are narrowed when a call touches so few experts that 128-wide blocks
         leave SMs idle (each block then streams its weights alone)."""
         t = cls.for_buffer(buffer)
