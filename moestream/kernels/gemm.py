@@ -32,7 +32,7 @@ from __future__ import annotations
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, tl, to_bf16, triton, wait_at_least)
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
-                       l2_fp8_swap_acc)
+                       l2_fp8_rows)
 
 
 @triton.jit
@@ -93,49 +93,84 @@ def decode_descriptors(a, rows, cols, row_stride, w, w_rows, w_cols, BM: tl.cons
 
 
 @triton.jit
+def weight_tile(w, SWAP: tl.constexpr):
+    """A loaded weight tile [BN, BK] as the MMA operand: transposed to [BK, BN] for rows @ w^T,
+    as loaded for the decode pieces' w @ rows^T (SWAP)."""
+    if not SWAP:
+        w = w.T
+    return w
+
+
+@triton.jit
 def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release.
     ``meta``: the m-block's block_meta entry (expert * 512 + valid_m)."""
-    e = meta >> 9
-    vm = meta & 511
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    kk = tl.arange(0, BK)
-    n = nb * BN + tl.arange(0, BN)
     # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so they only
     # spoil their own (never stored) output rows.
+    l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I, BM, BN, BK,
+            BM, UPCAST, USE_TMA, False)
+    tl.debug_barrier()  # all rows stored before the count is released
+    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+            UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+    """Rows r0 .. r0+ROWS-1 of an L1 block: gate and up GEMMs, SwiGLU x weight, stored into
+    pool_act (rows past valid_m are not). SWAP (decode pieces): computed as [BN, ROWS] =
+    weight tiles @ rows^T, the weights as the MMA's row operand, and stored transposed.
+    USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    e = meta >> 9
+    vm = meta & 511
+    kk = tl.arange(0, BK)
+    n = nb * BN + tl.arange(0, BN)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
     wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
+        acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
+        acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
         if USE_TMA:
-            a = a_desc.load([mb * BM, k0])
-            g = w_desc.load([e * 2 * I + nb * BN, k0]).T
-            u = w_desc.load([e * 2 * I + I + nb * BN, k0]).T
+            a = a_desc.load([mb * BM + r0, k0])
+            g = weight_tile(w_desc.load([e * 2 * I + nb * BN, k0]), SWAP)
+            u = weight_tile(w_desc.load([e * 2 * I + I + nb * BN, k0]), SWAP)
         else:
             a = tl.load(a_ptrs)
-            g = tl.load(wg_ptrs).T
-            u = tl.load(wu_ptrs).T
+            g = weight_tile(tl.load(wg_ptrs), SWAP)
+            u = weight_tile(tl.load(wu_ptrs), SWAP)
         # UPCAST (interpreter only): it multiplies bf16 bit patterns (triton #11584) and
         # truncates when casting back to bf16 (to_bf16 fixes that)
         if UPCAST:
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        if SWAP:
+            acc_g = tl.dot(g, a.T, acc_g)
+            acc_u = tl.dot(u, a.T, acc_u)
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
-    rv = tl.arange(0, BM) < vm
+    rv = r0 + tl.arange(0, ROWS) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
-    tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST), mask=rv[:, None])
-    tl.debug_barrier()  # all rows stored before the count is released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+    if SWAP:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
+        tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST),
+                 mask=rv[None, :])
+    else:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
+        tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
+                 mask=rv[:, None])
 
 
 @triton.jit
@@ -151,55 +186,14 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     vm = meta & 511
     if vm <= DM:
-        l1_swap_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[0], w_desc, H, I,
-                     BM, BN, BK, DM, UPCAST, USE_TMA)
+        l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[0], w_desc, H, I, BM,
+                BN, BK, DM, UPCAST, USE_TMA, True)
     else:
         for r0 in range(0, vm, WIDE):
-            l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H,
-                         I, BM, BN, BK, WIDE, UPCAST, USE_TMA)
+            l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I,
+                    BM, BN, BK, WIDE, UPCAST, USE_TMA, True)
     tl.debug_barrier()  # all rows stored before the count is released
     tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def l1_swap_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows r0 .. r0+ROWS-1 of an L1 block as [BN, ROWS] = gate/up tiles @ rows^T, SwiGLU x
-    weight, stored transposed (rows past valid_m are not). USE_TMA: ``a_desc`` has ROWS-row
-    tiles."""
-    e = meta >> 9
-    vm = meta & 511
-    kk = tl.arange(0, BK)
-    n = nb * BN + tl.arange(0, BN)
-    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
-    a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-    wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-    wu_ptrs = wg_ptrs + I * H
-    acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
-    acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        if USE_TMA:
-            a = a_desc.load([mb * BM + r0, k0])
-            g = w_desc.load([e * 2 * I + nb * BN, k0])
-            u = w_desc.load([e * 2 * I + I + nb * BN, k0])
-        else:
-            a = tl.load(a_ptrs)
-            g = tl.load(wg_ptrs)
-            u = tl.load(wu_ptrs)
-        if UPCAST:   # as l1_block
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(g, a.T, acc_g)
-        acc_u = tl.dot(u, a.T, acc_u)
-        a_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
-    rv = r0 + tl.arange(0, ROWS) < vm
-    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
-    tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST), mask=rv[None, :])
 
 
 @triton.jit
@@ -251,7 +245,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces (``l2_fp8_swap_acc``; without SIGNAL_ROWS)."""
+    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS)."""
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
     if DM > 0:   # pieces as l2_decode_block
@@ -259,15 +253,15 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
         WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
         vm = meta & 511
         if vm <= DM:
-            acc = l2_fp8_swap_acc(mb, 0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
-                                  AB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA)
+            acc = l2_fp8_rows(mb, 0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4,
+                              BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA, True)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                         False, EPI_SPLIT, 0, BM // DM)
         else:
             for r0 in range(0, vm, WIDE):
-                acc_w = l2_fp8_swap_acc(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
-                                        AB // 4, BM, BN, BK, WIDE, a_desc[1], w_desc, USE_TMA)
+                acc_w = l2_fp8_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
+                                    AB // 4, BM, BN, BK, WIDE, a_desc[1], w_desc, USE_TMA, True)
                 l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                             off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                             False, EPI_SPLIT, r0 // WIDE, BM // WIDE)
@@ -373,26 +367,8 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
     e = meta >> 9
     vm = meta & 511
     BMT: tl.constexpr = BM // SPLIT_M
-    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
-    kk = tl.arange(0, BK)
-    cols = tl.arange(0, BN)
-    n = nb * BN + cols
-    a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
-    w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    acc = tl.zeros([BMT, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        if USE_TMA:
-            a = a_desc.load([mb * BM + sub * BMT, k0])
-            w = w_desc.load([e * H + nb * BN, k0]).T
-        else:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs).T
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BK
-        w_ptrs += BK
+    acc = l2_rows(mb, sub * BMT, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM, BN, BK, BMT,
+                  UPCAST, USE_TMA, False)
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
@@ -409,47 +385,56 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     vm = meta & 511
     if vm <= DM:
-        acc = l2_swap_acc(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN,
-                          BK, DM, UPCAST, USE_TMA)
+        acc = l2_rows(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN, BK,
+                      DM, UPCAST, USE_TMA, True)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                     off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                     EPI_SPLIT, 0, BM // DM)
     else:
         for r0 in range(0, vm, WIDE):
             # its own name: Triton's if needs a value of one shape in both branches
-            acc_w = l2_swap_acc(mb, r0, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I,
-                                BM, BN, BK, WIDE, UPCAST, USE_TMA)
+            acc_w = l2_rows(mb, r0, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I, BM, BN,
+                            BK, WIDE, UPCAST, USE_TMA, True)
             l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                         EPI_SPLIT, r0 // WIDE, BM // WIDE)
 
 
 @triton.jit
-def l2_swap_acc(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-                USE_TMA: tl.constexpr):
-    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
-    computed as w2 tile @ rows^T and transposed (USE_TMA as ``l1_swap_rows``)."""
+def l2_rows(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+            USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block.
+    SWAP (decode pieces): computed as w2 tile @ rows^T ([BN, ROWS], the weights as the MMA's
+    row operand) and transposed. USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
-    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
     w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
-            w = w_desc.load([e * H + nb * BN, k0])
+            w = weight_tile(w_desc.load([e * H + nb * BN, k0]), SWAP)
         else:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
+            w = weight_tile(tl.load(w_ptrs), SWAP)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(w, a.T, acc)
+        if SWAP:
+            acc = tl.dot(w, a.T, acc)
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BK
         w_ptrs += BK
-    return tl.trans(acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit

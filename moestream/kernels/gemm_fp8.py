@@ -198,9 +198,21 @@ def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
     n_block, per-K-block scales. Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE
     (as ``l1_fp8_block``). USE_TMA: value tiles through ``fp8_descriptors`` (act_q's rows
     in pieces of BM / SPLIT_M, w2 as [E * H, I])."""
-    KB = I // BK
     BMT: tl.constexpr = BM // SPLIT_M
-    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
+    return l2_fp8_rows(mb, sub * BMT, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE,
+                       AS_STRIDE, BM, BN, BK, BMT, a_desc, w_desc, USE_TMA, False)
+
+
+@triton.jit
+def l2_fp8_rows(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                a_desc, w_desc, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
+    per-K-block scales (``l2_fp8_acc``). SWAP (decode pieces): computed as weights @ rows^T,
+    the weight tile as the MMA's row operand (``fp8_swap_step``), and transposed. USE_TMA:
+    ``a_desc`` has ROWS-row tiles."""
+    KB = I // BK
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
@@ -209,22 +221,31 @@ def l2_fp8_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
     as_ptrs = act_scale + rows * AS_STRIDE
     ONE_GROUP: tl.constexpr = BN <= 128   # one weight scale per K step (as l1_fp8_block)
     ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
-    acc = tl.zeros([BMT, BN], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     for kb in range(0, KB):
         if USE_TMA:
-            a = a_desc.load([mb * BM + sub * BMT, kb * BK])
-            w = w_desc.load([e * H + nb * BN, kb * BK]).T
+            a = a_desc.load([mb * BM + r0, kb * BK])
+            w = w_desc.load([e * H + nb * BN, kb * BK])
         else:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs).T
+            w = tl.load(w_ptrs)
+        if not SWAP:
+            w = w.T
         xs = tl.load(as_ptrs + kb)
         ws = tl.load(ws_ptrs + kb)
-        if ONE_GROUP:
+        if SWAP:
+            acc = fp8_swap_step(acc, w, a, xs, ws, BN)
+        elif ONE_GROUP:
             acc += tl.dot(a, w) * (xs * ws)[:, None]
         else:
             acc += tl.dot(a, w) * (xs[:, None] * ws[None, :])
         a_ptrs += BK
         w_ptrs += BK
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -339,32 +360,3 @@ def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
         wu_ptrs += BK
     l1_fp8_epilogue(tl.trans(acc_g), tl.trans(acc_u), mb, nb, vm, pool_w, act_q, act_scale,
                     A_STRIDE, AS_STRIDE, BM, BN, FIX_ROUNDING, r0)
-
-
-@triton.jit
-def l2_fp8_swap_acc(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                    a_desc, w_desc, USE_TMA: tl.constexpr):
-    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block,
-    computed as weights @ rows^T (as ``l1_fp8_swap_rows``) and transposed."""
-    KB = I // BK
-    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
-    kk = tl.arange(0, BK)
-    n = nb * BN + tl.arange(0, BN)
-    e64 = e.to(tl.int64)
-    a_ptrs = act_q + rows[:, None] * A_STRIDE + kk[None, :]
-    w_ptrs = w2 + e64 * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    as_ptrs = act_scale + rows * AS_STRIDE
-    ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
-    acc = tl.zeros([BN, ROWS], dtype=tl.float32)
-    for kb in range(0, KB):
-        if USE_TMA:
-            a = a_desc.load([mb * BM + r0, kb * BK])
-            w = w_desc.load([e * H + nb * BN, kb * BK])
-        else:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        acc = fp8_swap_step(acc, w, a, tl.load(as_ptrs + kb), tl.load(ws_ptrs + kb), BN)
-        a_ptrs += BK
-        w_ptrs += BK
-    return tl.trans(acc)
