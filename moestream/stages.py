@@ -112,7 +112,7 @@ class Tuning:
         accumulators): a block of at most decode_rows valid rows as one piece of that many
         rows, so a few decode tokens cost a 16-column MMA instead of a block_m-row tile of
         padding (the fp8 L1 loads by descriptor then); a fuller block in pieces of 32 rows
-        (rows by pointer). Each piece reads the block's weights once. ``for_call`` turns it
+        (or block_m if smaller). Each piece reads the block's weights once. ``for_call`` turns it
         on for calls whose experts expect few rows (``decode_rows_for``). Must divide
         block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and l2_split_m
         do not apply); the fused launch ignores it.
