@@ -120,40 +120,72 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     in one byte row). Pointer loads only: with tensor descriptors this block spilled inside
     its K loop (136-160 B of stack) and ran 1.3-1.5x slower on H200 (benchmarks/NOTES.md,
     session 6)."""
+    l1_fp8_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, BM, 0, 0, False,
+                FIX_ROUNDING, False)
+
+
+@triton.jit
+def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, ROWS: tl.constexpr, a_desc, w_desc, USE_TMA: tl.constexpr,
+                FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
+    """Rows r0 .. r0+ROWS-1 of an fp8 L1 block (``l1_fp8_block``). SWAP (decode pieces): the
+    weights as the MMA row operand ([BN, ROWS] accumulators, ``fp8_swap_step``), transposed
+    for the epilogue. USE_TMA: ``a_desc`` has ROWS-row tiles."""
     KB = H // BK
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
-    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
-    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-    wu_ptrs = wg_ptrs + I * H
-    xs_ptrs = x_scale + rows * XS_STRIDE
     # BN <= 128: the block's columns share one scale group, so its weight scale per K step is
     # one scalar instead of a [BN] vector of equal values (fewer registers)
     ONE_GROUP: tl.constexpr = BN <= 128
     sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
     su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
+    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
+    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    wu_ptrs = wg_ptrs + I * H
+    xs_ptrs = x_scale + rows * XS_STRIDE
+    if SWAP:
+        acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
+        acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
+        acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
     for kb in range(0, KB):
-        a = tl.load(a_ptrs)
-        g = tl.load(wg_ptrs).T
-        u = tl.load(wu_ptrs).T
-        xs = tl.load(xs_ptrs + kb)
-        sg = tl.load(sg_ptrs + kb)
-        su = tl.load(su_ptrs + kb)
-        if ONE_GROUP:
-            acc_g += tl.dot(a, g) * (xs * sg)[:, None]
-            acc_u += tl.dot(a, u) * (xs * su)[:, None]
+        if USE_TMA:
+            a = a_desc.load([mb * BM + r0, kb * BK])
+            g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
+            u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
         else:
-            acc_g += tl.dot(a, g) * (xs[:, None] * sg[None, :])
-            acc_u += tl.dot(a, u) * (xs[:, None] * su[None, :])
+            a = tl.load(a_ptrs)
+            g = tl.load(wg_ptrs)
+            u = tl.load(wu_ptrs)
+        if not SWAP:
+            g = g.T
+            u = u.T
+        xs = tl.load(xs_ptrs + kb)
+        if SWAP:
+            acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
+            acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
+        else:
+            sg = tl.load(sg_ptrs + kb)
+            su = tl.load(su_ptrs + kb)
+            if ONE_GROUP:
+                acc_g += tl.dot(a, g) * (xs * sg)[:, None]
+                acc_u += tl.dot(a, u) * (xs * su)[:, None]
+            else:
+                acc_g += tl.dot(a, g) * (xs[:, None] * sg[None, :])
+                acc_u += tl.dot(a, u) * (xs[:, None] * su[None, :])
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM, BN, FIX_ROUNDING)
+                    BM, BN, FIX_ROUNDING, r0)
 
 
 @triton.jit
@@ -313,50 +345,11 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
     [E * 2I, H] (kernels/gemm.py's ``decode_descriptors``)."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     if vm <= DM:
-        l1_fp8_swap_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
-                         H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM,
-                         a_desc[0], w_desc, USE_TMA, FIX_ROUNDING)
+        l1_fp8_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                    X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM, a_desc[0], w_desc,
+                    USE_TMA, FIX_ROUNDING, True)
     else:
         for r0 in range(0, vm, WIDE):
-            l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
-                             act_scale, H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN,
-                             BK, WIDE, a_desc[1], w_desc, USE_TMA, FIX_ROUNDING)
-
-
-@triton.jit
-def l1_fp8_swap_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H,
-                     I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, a_desc, w_desc,
-                     USE_TMA: tl.constexpr, FIX_ROUNDING: tl.constexpr):
-    """Rows r0 .. r0+ROWS-1 of an fp8 L1 block, the weights as the MMA row operand; USE_TMA:
-    ``a_desc`` has ROWS-row tiles."""
-    KB = H // BK
-    kk = tl.arange(0, BK)
-    n = nb * BN + tl.arange(0, BN)
-    e64 = e.to(tl.int64)
-    sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
-    su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
-    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
-    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
-    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-    wu_ptrs = wg_ptrs + I * H
-    xs_ptrs = x_scale + rows * XS_STRIDE
-    acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
-    acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
-    for kb in range(0, KB):
-        if USE_TMA:
-            a = a_desc.load([mb * BM + r0, kb * BK])
-            g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
-            u = w_desc.load([e * 2 * I + I + nb * BN, kb * BK])
-        else:
-            a = tl.load(a_ptrs)
-            g = tl.load(wg_ptrs)
-            u = tl.load(wu_ptrs)
-        xs = tl.load(xs_ptrs + kb)
-        acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
-        acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
-        a_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
-    l1_fp8_epilogue(tl.trans(acc_g), tl.trans(acc_u), mb, nb, vm, pool_w, act_q, act_scale,
-                    A_STRIDE, AS_STRIDE, BM, BN, FIX_ROUNDING, r0)
+            l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
+                        H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, WIDE,
+                        a_desc[1], w_desc, USE_TMA, FIX_ROUNDING, True)
