@@ -82,6 +82,19 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8-dec16-w8", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                              l1_warps=8, l1_stages=4, l2_warps=8,
                                              l2_stages=4), "fp8"),
+    # session 8: decode launch shapes (pipeline depth, programs per SM, K step, L2 width)
+    GemmVariant("dec16-s4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=4, l2_stages=4)),
+    # three programs per SM (3 stages: ~61 KB of shared memory each)
+    GemmVariant("dec16-p3", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
+                                         gemm_per_sm=3)),
+    GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,
+                                             l2_stages=2)),
+    GemmVariant("dec16-l2n64", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
+                                            gemm_per_sm=3)),
+    GemmVariant("fp8-dec16-l1s3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
+                                               l1_stages=3), "fp8"),   # L1 two per SM
+    GemmVariant("fp8-dec16-p3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
+                                             l1_stages=3, l2_stages=3, gemm_per_sm=3), "fp8"),
     GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
     GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
     # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)
@@ -126,7 +139,6 @@ def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
     ws = [torch.rand(T, cfg.top_k, generator=gen).to(device) for _ in range(R)]
     for lr in range(R):
         stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=variant.tuning)
-    stages.signal(buf)
     stages.layout(buf)
     stages.dispatch(buf, tuning=variant.tuning)
     counts = buf.view("expert_count", 0)

@@ -8,8 +8,8 @@ Regions, in order (``parity`` regions exist twice, indexed by the call's epoch &
 peer may still read call e's copy while this rank publishes call e+1; it can never lag two
 calls, since every call waits for every peer's ready flag of that call):
 
-    workspace  epoch, ready, diag             control words (local epoch, published epoch,
-                                              first stall's diagnostic)
+    workspace  epoch, ready, diag, published  control words (local epoch, published epoch,
+                                              first stall's diagnostic, publish programs done)
                num_tokens [2], send_counts [2, E]   published with the inputs (peers read)
                expert_count, block_start, src_row, src_tokens, block_meta, wave_mb,
                num_waves                      this rank's pool layout and expert waves,
@@ -114,6 +114,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("epoch", (1,), "int32", "calls made so far on this rank (device-side counter)", False, False),
         ("ready", (1,), "int32", "epoch whose inputs are published (peers acquire it)", False, True),
         ("diag", (len(DIAG_FIELDS),), "int32", "first stall: " + ", ".join(DIAG_FIELDS), False, False),
+        ("published", (1,), "int32", "publish programs of this call that finished (the last one signals, then zeroes it)", False, False),
         ("num_tokens", (2,), "int32", "T of the call, by parity", False, True),
         ("send_counts", (2, E), "int32", "this rank's picks per global expert, by parity", False, True),
         ("expert_count", (e_loc,), "int32", "picks each local expert receives", False, False),

@@ -1,6 +1,7 @@
 """The staged path: each stage of the layer is one kernel launch over a SymmBuffer.
 
-    publish (one launch per local rank) -> signal -> layout -> dispatch -> L1 -> L2 -> combine
+    publish (one launch per local rank; its last program signals the peers) -> layout ->
+    dispatch -> L1 -> L2 -> combine
 
 Each launch serves every local rank of the buffer (all R virtual ranks, or this process's one
 real rank). Stages communicate only through the buffer's counters, so the same kernels can later
@@ -22,7 +23,7 @@ from .kernels import gemm as _gemm
 from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
 
-__all__ = ["Tuning", "publish", "signal", "layout", "dispatch", "l1", "l2", "combine", "fused",
+__all__ = ["Tuning", "publish", "layout", "dispatch", "l1", "l2", "combine", "fused",
            "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm",
            "pick_slots", "decode_rows_for"]
 
@@ -55,6 +56,8 @@ class Tuning:
     """Launch shapes, free to change per call (the data layout depends only on block_m).
 
     programs: persistent programs per local rank (0 = a multiple of the SM count).
+    gemm_per_sm: L1/L2 programs asked for per SM when ``programs`` is 0 (capped at what one
+        SM holds of the compiled kernel).
     l1_block_n/k, l2_block_n/k: GEMM tiles (None = the config's block_n/block_k).
     l1_warps/l1_stages, l2_warps/l2_stages: warps and software-pipeline depth of each GEMM.
     use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere);
@@ -119,6 +122,7 @@ class Tuning:
     """
 
     programs: int = 0
+    gemm_per_sm: int = 2
     l1_warps: int = 4
     l1_stages: int = 3
     l2_warps: int = 4
@@ -215,10 +219,11 @@ class Tuning:
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, L1 and L2 two
-        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group), one
-        program per SM, L2 two; L2 blocks 128 wide."""
+        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
+        3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
+        dsv3 equal), L2 two; L2 blocks 128 wide."""
         if cfg.dtype == "fp8":
-            return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=5,
+            return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
@@ -240,7 +245,7 @@ class Tuning:
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
-                     "l2_group_m"):
+                     "l2_group_m", "gemm_per_sm"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -339,7 +344,6 @@ class _Constants:
     R_PAD: int
     E_PAD: int
     K_PAD: int
-    E_ALL_PAD: int
     P: int
     reset_words: int
     row_words: int      # 16-bit words per token row that dispatch copies (bf16: H)
@@ -357,7 +361,7 @@ def _constants(buffer: SymmBuffer) -> _Constants:
         props = torch.cuda.get_device_properties(buffer.device) if cuda else None
         c = _Constants(off=buffer.offsets(), R=R, E_LOC=e_loc, R_PAD=next_pow2(R),
                        E_PAD=next_pow2(e_loc), K_PAD=next_pow2(cfg.top_k),
-                       E_ALL_PAD=next_pow2(cfg.num_experts), P=cfg.pool_capacity(R),
+                       P=cfg.pool_capacity(R),
                        reset_words=buffer.layout.reset_span[1] // 4,
                        row_words=cfg.token_bytes // 2,
                        sms=props.multi_processor_count if cuda else 0,
@@ -464,35 +468,33 @@ def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tun
 
 def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Tensor,
             topk_weights: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
-    """Copy one local rank's inputs into the next parity of its buffer; zero its counters.
-    Inputs must already be validated (contiguous topk tensors, x rows with unit stride)."""
+    """Copy one local rank's inputs into the next parity of its buffer, number its picks
+    (``routing.source_slots``), zero its counters, then signal the peers (epoch += 1,
+    ready = epoch), all in one launch. Inputs must already be validated (contiguous topk
+    tensors, x rows with unit stride)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
-    pdl = tuning.pdl_args(buffer)
-    counts, slot = pick_slots(topk_idx, cfg.num_experts, tuning=tuning, pdl=bool(pdl))
     T = x.shape[0]
     BT = 8
-    grid = (max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1),)
-    _dispatch.publish_kernel[grid](
-        buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights, slot, counts,
+    copy = max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1)
+    n = T * cfg.top_k
+    _dispatch.publish_kernel[(copy + cfg.num_experts + 1,)](
+        buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
-        cfg.token_bytes, off["off_epoch"], off["off_diag"], off["off_num_tokens"],
-        off["off_send_counts"],
+        cfg.token_bytes, copy, off["off_epoch"], off["off_ready"], off["off_published"],
+        off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
         off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
         off["off_reset"], c.reset_words,
-        E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, E_PAD=c.E_ALL_PAD, BT=BT,
-        BH=min(next_pow2(cfg.hidden), 512), BZ=1024, QUANT=cfg.dtype == "fp8",
-        FIX_ROUNDING=INTERPRET, **pdl, **_launch_kw(tuning.copy_warps))
+        E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
+        BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
+        BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.dtype == "fp8",
+        FIX_ROUNDING=INTERPRET, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
-def signal(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
-    off = _constants(buffer).off
-    _dispatch.signal_kernel[(buffer.local_ranks,)](buffer.table, buffer.rank0, off["off_epoch"],
-                                                   off["off_ready"], **tuning.pdl_args(buffer))
-
-
-def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
+def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False) -> None:
+    """Every local rank's pool layout of this call, after its peers' ready flags; ``waves``:
+    also the expert waves (the fused launch walks them; the staged launches do not)."""
     c = _constants(buffer)
     off = c.off
     cfg = buffer.config
@@ -503,7 +505,7 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
-        R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_META_CHUNK=256, USE_TIMER=not INTERPRET,
+        R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_J=8, USE_TIMER=not INTERPRET, WAVES=waves,
         **tuning.pdl_args(buffer))
 
 
@@ -554,7 +556,8 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
-    grid = (_programs(buffer, tuning, 2, _gemm.l1_kernel, args, kw), buffer.local_ranks)
+    grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
+            buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)
 
 
@@ -583,7 +586,8 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if dm else tuning.l2_split_m, DM=dm,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
-    grid = (_programs(buffer, tuning, 2, _gemm.l2_kernel, args, kw), buffer.local_ranks)
+    grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
+            buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)
 
 
@@ -619,8 +623,6 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     mark("publish")
-    signal(buffer, tuning=tuning)
-    mark("signal")
     layout(buffer, tuning=tuning)
     mark("layout")
     dispatch(buffer, tuning=tuning)
@@ -634,7 +636,7 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
 
 
 # the staged path's launches in order (run_staged's on_stage names)
-STAGES = ("publish", "signal", "layout", "dispatch", "l1", "l2", "combine")
+STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 
 
 def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
@@ -650,7 +652,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
           y: torch.Tensor, *, tuning: Tuning = Tuning(), trace: torch.Tensor | None = None
           ) -> None:
     """Dispatch, L1, L2 and combine of every local rank in one persistent launch (after
-    publish, signal and layout). ``trace``: optional int64 [max_tickets, 8] filled per ticket
+    publish and layout). ``trace``: optional int64 [max_tickets, 8] filled per ticket
     (see kernels/fused.py)."""
     cfg = buffer.config
     c = _constants(buffer)
@@ -706,12 +708,11 @@ def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequenc
               topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
               w2s: Sequence[torch.Tensor], y: torch.Tensor, *, tuning: Tuning | None = None,
               trace: torch.Tensor | None = None, granularity: int | str = "token") -> None:
-    """publish, signal, layout, then the fused kernel; y [local ranks, T_out, H].
+    """publish, layout, then the fused kernel; y [local ranks, T_out, H].
     ``granularity``: the streaming mode (``Tuning.with_granularity``)."""
     tuning = fused_tuning(buffer, max(x.shape[0] for x in xs), tuning=tuning,
                           granularity=granularity)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
-    signal(buffer, tuning=tuning)
-    layout(buffer, tuning=tuning)
+    layout(buffer, tuning=tuning, waves=True)
     fused(buffer, w13s, w2s, y, tuning=tuning, trace=trace)

@@ -108,7 +108,6 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
     xs, idxs, ws, _, _ = make_case(cfg, Ts, gen, device, drop=0.15)
     for lr in range(R):
         stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.signal(buf)
     stages.layout(buf)
     stages.dispatch(buf)
     buf.check()

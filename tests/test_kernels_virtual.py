@@ -74,7 +74,6 @@ def check_layer(ys, xs, idxs, ws, w13s, w2s, *, hidden, label=""):
 def run_dispatch(buffer, xs, idxs, ws):
     for lr in range(buffer.local_ranks):
         stages.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
-    stages.signal(buffer)
     stages.layout(buffer)
     stages.dispatch(buffer)
     buffer.check()
@@ -312,6 +311,34 @@ def test_device_layout_follows_schedule(device, gen):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R, Ts, e_per_rank, wave_blocks", [
+    (3, [11, 20, 2], 2, 8),     # few experts, one or two waves
+    (2, [24, 17], 7, 4),        # several waves per rank, 7 experts (prime-ish), some empty
+    (1, [1], 5, 2),             # T=1: most experts receive nothing; empties ride along
+    (2, [24, 24], 4, 10_000),   # one wave that never reaches wave_blocks closes at the end
+])
+def test_device_waves_follow_schedule(device, gen, R, Ts, e_per_rank, wave_blocks):
+    # the layout kernel's expert waves (fused launch only) are moestream.schedule's
+    cfg = small_config(num_experts=R * e_per_rank)
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.2)
+    run_dispatch(buf, xs, idxs, ws)
+    for d in range(R):
+        buf.view("wave_mb", d).fill_(-7)
+        buf.view("num_waves", d).fill_(-7)
+    stages.layout(buf, tuning=stages.Tuning(wave_blocks=wave_blocks), waves=True)
+    buf.check()
+    sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
+                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=wave_blocks)
+    for d, plan in enumerate(sched.plans):
+        n = len(plan.waves)
+        assert int(buf.view("num_waves", d)) == n
+        want = [plan.block_start[a] for a, _ in plan.waves] + [plan.block_start[-1]]
+        assert buf.view("wave_mb", d).cpu()[:n + 1].tolist() == want
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_peer_that_never_publishes_raises_instead_of_hanging(device, gen):
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
@@ -335,7 +362,6 @@ def test_gemm_without_dispatch_reports_the_stalled_block(device, gen):
     w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
     for lr in range(2):
         stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.signal(buf)
     stages.layout(buf)
     stages.l1(buf, w13s)   # dispatch skipped: no pool block ever fills
     with pytest.raises(KernelStallError, match="L1: pool block arrival count"):
@@ -353,7 +379,6 @@ def test_combine_without_l2_reports_the_missing_ranks(device, gen):
     w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
     for lr in range(2):
         stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.signal(buf)
     stages.layout(buf)
     stages.dispatch(buf)
     stages.l1(buf, w13s)
@@ -635,7 +660,7 @@ def test_fused_with_a_missing_peer_raises(device, gen):
     # then hands out no work, and the stall is reported instead of a hang
     buf.view("epoch", 0).add_(1)
     buf.view("ready", 0).add_(1)
-    stages.layout(buf)
+    stages.layout(buf, waves=True)
     y = torch.empty(2, 5, cfg.hidden, dtype=torch.bfloat16, device=device)
     stages.fused(buf, w13s, w2s, y)
     with pytest.raises(KernelStallError, match="peer ready flag"):

@@ -93,7 +93,6 @@ def _worker_dispatch_exact(rank, world, seed):
         ws.append(w)
     buf = SymmBuffer(cfg, group=dist.group.WORLD)
     stages.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
-    stages.signal(buf)
     stages.layout(buf)
     stages.dispatch(buf)
     torch.cuda.synchronize()

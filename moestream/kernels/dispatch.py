@@ -1,13 +1,14 @@
-"""Publish, signal, layout and token-granular pull dispatch.
+"""Publish, layout and token-granular pull dispatch.
 
 Legend (shapes; every pointer below is int32 unless marked):
     T      tokens of this call on a rank (T_MAX: the buffer's capacity), H hidden, K top-k
     E      experts over all ranks, E_LOC experts per rank, R ranks, P pool rows, BM block_m
     par    parity of the call (epoch & 1): which copy of the double-buffered inputs is in use
 
-Call order on every rank (each step one launch; the next issue fuses them):
-    publish  copy x/topk/slot/counts into the buffer's next parity copy, zero the counters
-    signal   epoch += 1, ready = epoch (release, system scope: peers may now read the inputs)
+Call order on every rank (each step one launch; the fused kernel replaces dispatch onwards):
+    publish  copy x/topk into the buffer's next parity copy, number each expert's picks
+             (slot, send_counts), zero the counters; its last program to finish signals:
+             epoch += 1, ready = epoch (release, system scope: peers may now read the inputs)
     layout   wait for every peer's ready, read their counts for my experts -> pool layout
     dispatch one task per (source rank, source token): pull the token's row once, store it in
              the pool row of each of its picks of my experts, release-add the block's arrival
@@ -24,18 +25,11 @@ from .gemm_fp8 import quant_rows_128
 
 
 @triton.jit
-def source_slots_kernel(
-    topk_idx_TK,      # int32/int64 [T, K], read as N = T * K picks in flat order t * K + k
-    slot_TK,          # int32 [T, K] out: the pick's slot among its expert's picks, -1: no pick
-    counts_E,         # int32 [E] out: picks per expert
-    N, E, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """routing.source_slots in one launch, without a sort. Program e < E walks the picks in
-    flat order and numbers those of expert e 0, 1, 2, ... (a running cumsum: stable, as the
-    torch version), then writes counts_E[e]; program E writes -1 for picks outside [0, E)
-    (-1 included). Every slot is written by exactly one program."""
-    pdl_enter(PDL)
-    e = tl.program_id(0)
+def number_picks(topk_idx_TK, slot_TK, counts_E, N, e, E, BLOCK: tl.constexpr):
+    """routing.source_slots for expert ``e`` without a sort: walk the N = T * K picks in flat
+    order t * K + k and number those of expert e 0, 1, 2, ... (a running cumsum: stable, as
+    the torch version), then write counts_E[e]. e == E writes -1 for picks outside [0, E)
+    (-1 included). Run for every e in [0, E], each slot is written exactly once."""
     mine = e < E
     base = tl.zeros([], tl.int32)
     for s in range(0, N, BLOCK):
@@ -50,96 +44,114 @@ def source_slots_kernel(
 
 
 @triton.jit
+def source_slots_kernel(
+    topk_idx_TK,      # int32/int64 [T, K], read as N = T * K picks in flat order t * K + k
+    slot_TK,          # int32 [T, K] out: the pick's slot among its expert's picks, -1: no pick
+    counts_E,         # int32 [E] out: picks per expert
+    N, E, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """routing.source_slots in one launch (grid E + 1: program e runs ``number_picks``)."""
+    pdl_enter(PDL)
+    number_picks(topk_idx_TK, slot_TK, counts_E, N, tl.program_id(0), E, BLOCK)
+
+
+@triton.jit
 def publish_kernel(
     table,            # int64[R]: base address of each rank's buffer
     rank,             # the rank whose inputs these are
     x_TH,             # bf16 [T, H], row stride x_stride
     topk_idx_TK,      # int32/int64 [T, K]
     topk_w_TK,        # fp32 [T, K]
-    slot_TK,          # int32 [T, K] (source_slots_kernel = routing.source_slots)
-    counts_E,         # int32 [E]   (source_slots_kernel = routing.source_slots)
     T, x_stride, T_MAX, H, XB,  # XB: bytes per published row (QUANT)
-    off_epoch, off_diag, off_num_tokens, off_send_counts, off_x, off_topk_idx,
-    off_topk_weights, off_slot, off_reset, reset_words,
-    E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr,
+    COPY,             # programs [0, COPY) copy and zero; [COPY, COPY + E] number picks
+    off_epoch, off_ready, off_published, off_diag, off_num_tokens, off_send_counts, off_x,
+    off_topk_idx, off_topk_weights, off_slot, off_reset, reset_words,
+    E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr, BLOCK: tl.constexpr,
     QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
+    """One rank's inputs of the next call into its buffer, then the signal that publishes
+    them. Grid COPY + E + 1: program c < COPY zeroes its share of the per-call counters and
+    copies tokens [c*BT, c*BT + BT) (rows and picks); program COPY + e numbers expert e's picks
+    into ``slot`` and ``send_counts`` (``number_picks``). Each program then counts itself done
+    (acq_rel, gpu scope); the last one resets that count and signals: epoch += 1, ready = epoch
+    (release, system scope; cumulative over the other programs' stores, which it acquired).
+
+    QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
     128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
-    par = (epoch + 1) & 1   # the signal step makes epoch + 1 current
-
-    # Zero this program's share of the per-call counters (arrival, l1_done, combine_flag).
-    # Peers write combine_flag only after this call's ready flag, which follows this launch.
-    zero_ptr = peer_ptr(table, rank, off_reset, tl.int32)
-    per_prog = tl.cdiv(tl.cdiv(reset_words, nprog), BZ) * BZ
-    z = pid * per_prog
-    z_end = tl.minimum(z + per_prog, reset_words)
-    while z < z_end:
-        offs = z + tl.arange(0, BZ)
-        tl.store(zero_ptr + offs, tl.zeros([BZ], tl.int32), mask=offs < z_end)
-        z += BZ
-
-    # Tokens [pid*BT, pid*BT + BT): rows of x and their K picks.
-    t = pid * BT + tl.arange(0, BT)
-    tm = t < T
-    t64 = t.to(tl.int64)
-    if QUANT:
-        row64 = par.to(tl.int64) * T_MAX + t64
-        q_dst = peer_ptr(table, rank, off_x, tl.float8e4nv) + row64 * XB
-        s_dst = peer_ptr(table, rank, off_x + H, tl.float32) + row64 * (XB // 4)
-        G: tl.constexpr = BH // 128
-        for h0 in range(0, H, BH):
-            h = h0 + tl.arange(0, BH)
-            hm = h < H
-            v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
-                        mask=tm[:, None] & hm[None, :], other=0.0).to(tl.float32)
-            q, scale = quant_rows_128(v, FIX_ROUNDING)
-            tl.store(q_dst[:, None] + h[None, :], q, mask=tm[:, None] & hm[None, :])
-            g = h0 // 128 + tl.arange(0, G)
-            tl.store(s_dst[:, None] + g[None, :], scale, mask=tm[:, None] & (g[None, :] * 128 < H))
+    par = (epoch + 1) & 1   # the signal below makes epoch + 1 current
+    meta0 = par.to(tl.int64) * T_MAX * K
+    if pid >= COPY:
+        number_picks(topk_idx_TK, peer_ptr(table, rank, off_slot, tl.int32) + meta0,
+                     peer_ptr(table, rank, off_send_counts, tl.int32) + par * E, T * K,
+                     pid - COPY, E, BLOCK)
     else:
-        x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
-        for h0 in range(0, H, BH):
-            h = h0 + tl.arange(0, BH)
-            hm = h < H
-            v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
-                        mask=tm[:, None] & hm[None, :])
-            tl.store(x_dst + t64[:, None] * H + h[None, :], v, mask=tm[:, None] & hm[None, :])
-    k = tl.arange(0, K_PAD)
-    tk_mask = tm[:, None] & (k[None, :] < K)
-    tk = t64[:, None] * K + k[None, :]
-    meta = par.to(tl.int64) * T_MAX * K + tk
-    idx = tl.load(topk_idx_TK + tk, mask=tk_mask, other=-1).to(tl.int32)
-    tl.store(peer_ptr(table, rank, off_topk_idx, tl.int32) + meta, idx, mask=tk_mask)
-    tl.store(peer_ptr(table, rank, off_topk_weights, tl.float32) + meta,
-             tl.load(topk_w_TK + tk, mask=tk_mask, other=0.0), mask=tk_mask)
-    tl.store(peer_ptr(table, rank, off_slot, tl.int32) + meta,
-             tl.load(slot_TK + tk, mask=tk_mask, other=-1), mask=tk_mask)
-    n_bad = tl.sum(tl.sum((tk_mask & ((idx < -1) | (idx >= E))).to(tl.int32), axis=1), axis=0)
-    if n_bad > 0:
-        tl.atomic_add(peer_ptr(table, rank, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
+        # Zero this program's share of the per-call counters (arrival, l1_done,
+        # combine_flag). Peers write combine_flag only after this call's ready flag, which
+        # this launch sets after every program is done.
+        zero_ptr = peer_ptr(table, rank, off_reset, tl.int32)
+        per_prog = tl.cdiv(tl.cdiv(reset_words, COPY), BZ) * BZ
+        z = pid * per_prog
+        z_end = tl.minimum(z + per_prog, reset_words)
+        while z < z_end:
+            offs = z + tl.arange(0, BZ)
+            tl.store(zero_ptr + offs, tl.zeros([BZ], tl.int32), mask=offs < z_end)
+            z += BZ
 
-    if pid == 0:
-        e = tl.arange(0, E_PAD)
-        c = tl.load(counts_E + e, mask=e < E, other=0)
-        tl.store(peer_ptr(table, rank, off_send_counts, tl.int32) + par * E + e, c, mask=e < E)
-        tl.store(peer_ptr(table, rank, off_num_tokens, tl.int32) + par, T)
+        # Tokens [pid*BT, pid*BT + BT): rows of x and their K picks.
+        t = pid * BT + tl.arange(0, BT)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        if QUANT:
+            row64 = par.to(tl.int64) * T_MAX + t64
+            q_dst = peer_ptr(table, rank, off_x, tl.float8e4nv) + row64 * XB
+            s_dst = peer_ptr(table, rank, off_x + H, tl.float32) + row64 * (XB // 4)
+            G: tl.constexpr = BH // 128
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < H
+                v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
+                            mask=tm[:, None] & hm[None, :], other=0.0).to(tl.float32)
+                q, scale = quant_rows_128(v, FIX_ROUNDING)
+                tl.store(q_dst[:, None] + h[None, :], q, mask=tm[:, None] & hm[None, :])
+                g = h0 // 128 + tl.arange(0, G)
+                tl.store(s_dst[:, None] + g[None, :], scale,
+                         mask=tm[:, None] & (g[None, :] * 128 < H))
+        else:
+            x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
+            for h0 in range(0, H, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < H
+                v = tl.load(x_TH + t64[:, None] * x_stride + h[None, :],
+                            mask=tm[:, None] & hm[None, :])
+                tl.store(x_dst + t64[:, None] * H + h[None, :], v,
+                         mask=tm[:, None] & hm[None, :])
+        k = tl.arange(0, K_PAD)
+        tk_mask = tm[:, None] & (k[None, :] < K)
+        tk = t64[:, None] * K + k[None, :]
+        idx = tl.load(topk_idx_TK + tk, mask=tk_mask, other=-1).to(tl.int32)
+        tl.store(peer_ptr(table, rank, off_topk_idx, tl.int32) + meta0 + tk, idx, mask=tk_mask)
+        tl.store(peer_ptr(table, rank, off_topk_weights, tl.float32) + meta0 + tk,
+                 tl.load(topk_w_TK + tk, mask=tk_mask, other=0.0), mask=tk_mask)
+        n_bad = tl.sum(tl.sum((tk_mask & ((idx < -1) | (idx >= E))).to(tl.int32), axis=1),
+                       axis=0)
+        if n_bad > 0:
+            tl.atomic_add(peer_ptr(table, rank, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
+        if pid == 0:
+            tl.store(peer_ptr(table, rank, off_num_tokens, tl.int32) + par, T)
 
-
-@triton.jit
-def signal_kernel(table, rank0, off_epoch, off_ready, PDL: tl.constexpr = False):
-    """epoch += 1; ready = epoch with release at system scope (peers acquire it)."""
-    pdl_enter(PDL)
-    rank = rank0 + tl.program_id(0)
-    ep = peer_ptr(table, rank, off_epoch, tl.int32)
-    epoch = tl.load(ep) + 1
-    tl.store(ep, epoch)
-    tl.atomic_xchg(peer_ptr(table, rank, off_ready, tl.int32), epoch, sem="release", scope="sys")
+    # the signal, by the last program to finish
+    tl.debug_barrier()   # every thread's stores of this program precede its count
+    published = peer_ptr(table, rank, off_published, tl.int32)
+    if tl.atomic_add(published, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+        tl.store(published, 0)   # the next call's publish launch runs after this one
+        tl.store(peer_ptr(table, rank, off_epoch, tl.int32), epoch + 1)
+        tl.atomic_xchg(peer_ptr(table, rank, off_ready, tl.int32), epoch + 1, sem="release",
+                       scope="sys")
 
 
 @triton.jit
@@ -176,13 +188,19 @@ def layout_kernel(
     off_expert_count, off_block_start, off_src_row, off_src_tokens, off_block_meta,
     off_wave_mb, off_num_waves,
     R, E_LOC, BM, NB1, WAVE_BLOCKS,
-    R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_META_CHUNK: tl.constexpr,
-    USE_TIMER: tl.constexpr, PDL: tl.constexpr = False,
+    R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
+    USE_TIMER: tl.constexpr, WAVES: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
-    """Wait for every peer's inputs of this call, then store this rank's pool layout, for
-    every m-block its expert and valid rows (so a GEMM block needs one load to find them), and
-    the expert waves: consecutive experts until a wave's L1 blocks (NB1 column blocks per
-    m-block) reach WAVE_BLOCKS, as moestream.schedule.expert_waves."""
+    """Wait for every peer's inputs of this call, then store this rank's pool layout and, for
+    every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
+    WAVES (the fused launch reads them): also the expert waves, consecutive experts until a
+    wave's L1 blocks (NB1 column blocks per m-block) reach WAVE_BLOCKS, as
+    moestream.schedule.expert_waves.
+
+    Every step is a vector operation over the experts (a loop of per-expert reductions took
+    ~0.5 µs per local expert on H200: 34 µs per call at 64 experts, benchmarks/NOTES.md,
+    session 8): block_meta in BLOCK_J m-blocks of every expert at a time, the waves one
+    search per wave."""
     pdl_enter(PDL)
     rank = rank0 + tl.program_id(0)
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
@@ -205,29 +223,33 @@ def layout_kernel(
         tl.store(peer_ptr(table, rank, off_src_row, tl.int32) + e[:, None] * R + sv[None, :],
                  src_row_ES, mask=em[:, None] & (sv[None, :] < R))
         tl.store(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
+        m_blocks = (expert_count + BM - 1) // BM                                  # [E_PAD]
+        # block_meta[block_start[e] + j] = e * 512 + valid rows of m-block j of expert e
         block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
-        wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
-        m_blocks = (expert_count + BM - 1) // BM
-        tl.store(wave_mb, 0)
-        waves = 0
-        wave_blocks = 0
-        for ex in range(0, E_LOC):
-            sel = e == ex
-            b0 = tl.sum(tl.where(sel, block_start, 0), axis=0)
-            nb = tl.sum(tl.where(sel, m_blocks, 0), axis=0)
-            cnt = tl.sum(tl.where(sel, expert_count, 0), axis=0)
-            j = 0
-            while j < nb:
-                idx = j + tl.arange(0, BLOCK_META_CHUNK)
-                vm = tl.minimum(cnt - idx * BM, BM)
-                tl.store(block_meta + b0 + idx, ex * 512 + vm, mask=idx < nb)
-                j += BLOCK_META_CHUNK
-            wave_blocks += nb * NB1
-            if (wave_blocks >= WAVE_BLOCKS) | (ex == E_LOC - 1):
+        most = tl.max(m_blocks, axis=0)
+        for j0 in range(0, most, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            vm = tl.minimum(expert_count[:, None] - j[None, :] * BM, BM)           # [E_PAD, BJ]
+            tl.store(block_meta + block_start[:, None] + j[None, :], e[:, None] * 512 + vm,
+                     mask=em[:, None] & (j[None, :] < m_blocks[:, None]))
+        if WAVES:
+            # wave w: experts [first, last]; last is the first expert whose L1 blocks since
+            # `first` reach WAVE_BLOCKS (or the last expert); wave_mb[w + 1] its end m-block
+            wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
+            incl = tl.cumsum(m_blocks * NB1, axis=0)                                # [E_PAD]
+            tl.store(wave_mb, 0)
+            waves = 0
+            first = 0
+            before = 0   # L1 blocks of the experts before `first`
+            while first < E_LOC:
+                closes = em & (e >= first) & (incl - before >= WAVE_BLOCKS)
+                last = tl.min(tl.where(closes, e, E_LOC - 1), axis=0)
+                at = e == last
                 waves += 1
-                tl.store(wave_mb + waves, b0 + nb)
-                wave_blocks = 0
-        tl.store(peer_ptr(table, rank, off_num_waves, tl.int32), waves)
+                tl.store(wave_mb + waves, tl.sum(tl.where(at, block_start + m_blocks, 0), axis=0))
+                before = tl.sum(tl.where(at, incl, 0), axis=0)
+                first = last + 1
+            tl.store(peer_ptr(table, rank, off_num_waves, tl.int32), waves)
 
 
 @triton.jit
