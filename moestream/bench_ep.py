@@ -29,6 +29,11 @@ Providers, measured in the same run on the same inputs:
                   where the staged call's time goes: each launch timed on the GPU
                   (``stage_times``); the row's time is the whole call's and ``stages_us``
                   holds each stage's median (slowest rank by total). ``plot_stages`` draws them.
+                  Launched from Python, so each stage also carries its launch gap.
+    staged-graph-stages, fp8-staged-graph-stages
+                  the same split measured inside a CUDA graph replay (``graph_stage_times``:
+                  timing events captured as graph nodes, the timed call right behind an
+                  untimed one), so the stages add up to the staged-graph time.
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -44,11 +49,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "plot_stages", "parse_tuning"]
+__all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "graph_stage_times", "plot_stages",
+           "parse_tuning"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
-             "fp8-staged-stages", "staged-tuned-graph", "fp8-staged-tuned-graph")
+             "fp8-staged-stages", "staged-graph-stages", "fp8-staged-graph-stages",
+             "staged-tuned-graph", "fp8-staged-tuned-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -188,6 +195,50 @@ def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
     return dict(median_us=statistics.median(totals), p20_us=_percentile(totals, 0.2),
                 p80_us=_percentile(totals, 0.8), reps=reps, clock="cuda_events",
                 stages_us={n: statistics.median(v) for n, v in per_stage.items() if v})
+
+
+def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
+                      warmup: int) -> dict[str, Any]:
+    """``stage_times`` inside a CUDA graph: the graph holds two calls back to back, the second
+    with a timing event after each stage (captured as event record nodes, ``external=True``),
+    so the timed call starts the way replayed calls do, right behind the previous one on
+    every rank, and its stages carry no launch gaps. Each rep: the ranks meet at a barrier,
+    replay the graph and read the events. Collective like ``stage_times``; same result keys."""
+    import torch.distributed as dist
+
+    from .bench import _percentile
+    from .stages import STAGES
+
+    def event():
+        return torch.cuda.Event(enable_timing=True, external=True)
+
+    start, marks = event(), {name: event() for name in STAGES}
+    call(lambda name: None)   # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call(lambda name: None)
+        start.record()
+        call(lambda name: marks[name].record())
+    for _ in range(warmup):
+        g.replay()
+    per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    totals: list[float] = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        prev = start
+        for name in STAGES:
+            per_stage[name].append(prev.elapsed_time(marks[name]) * 1e3)
+            prev = marks[name]
+        totals.append(start.elapsed_time(prev) * 1e3)
+    totals.sort()
+    return dict(median_us=statistics.median(totals), p20_us=_percentile(totals, 0.2),
+                p80_us=_percentile(totals, 0.8), reps=reps, clock="cuda_graph_events",
+                stages_us={n: statistics.median(v) for n, v in per_stage.items()})
 
 
 def _staged_call(buf, a, weights, mark) -> torch.Tensor:
@@ -339,8 +390,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     dist.barrier()
                     rotate = list(range(len(sets))) if _replayed(p) else sets
                     if _stagewise(p):
-                        stats = slowest(stage_times(lambda mark, p=p: calls[p](sets[0], mark),
-                                                    reps=reps, warmup=warmup))
+                        timer = graph_stage_times if p.endswith("-graph-stages") else stage_times
+                        stats = slowest(timer(lambda mark, p=p: calls[p](sets[0], mark),
+                                              reps=reps, warmup=warmup))
                     else:
                         stats = slowest(time_cuda(fns[p], warmup=warmup, reps=reps,
                                                   rotate=rotate))

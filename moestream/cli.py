@@ -393,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
                         "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
                         "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
+                        "staged-graph-stages, fp8-staged-graph-stages (the same in a graph), "
                         "staged-tuned-graph, fp8-staged-tuned-graph (with --tuning)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--tuning", default="",

@@ -70,15 +70,17 @@ class Tuning:
     wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
     fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
-    dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight).
+    dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
+        a ticket of the staged dispatch is one tile of a source's tokens.
     chunk_blocks: m-blocks of an expert an L1 block waits for in the fused launch (1: only
         its own block, the token-granular mode; see ``granularity``).
     dispatch_programs: token mode of the fused launch: size dispatch tasks so that about this
         many tasks cover a call (dispatch_tokens = R * T / dispatch_programs, T this rank's
         tokens), leaving the other programs free for GEMM blocks as m-blocks fill up
         (0: off, dispatch_tokens as given). Arrivals are still signalled per dispatch_tile.
-    dispatch_eager: fused dispatch tiles load picks, slots, weights and the first row chunk
-        at once (fewer peer round trips in a row; also reads rows with no pick here).
+    dispatch_eager: dispatch tiles load picks, slots, weights and the first row chunk at
+        once (one peer round trip instead of three in a row; also reads rows with no pick
+        here).
     l2_flat: the staged L2's persistent loop over tiles and its K loop as one flat loop
         (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next tile's
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
@@ -165,20 +167,23 @@ class Tuning:
         3 stages (session 4); L2 in 64-row pieces with 4 warps, 3 stages and a flat loop, two
         programs per SM, the epilogue in two halves (session 6: 1-22 % faster than the 8-warp
         128-row tile, most at qwen3's short K). Smaller fp8 m-blocks keep that 8-warp tile
-        (4 stages; the pieces were measured at block_m 128 only)."""
+        (4 stages; the pieces were measured at block_m 128 only).
+        Dispatch (session 8): tickets of 4 source tokens with eager loads, as the fused
+        launch's tasks (sweep F3)."""
+        copy = dict(dispatch_tile=4, dispatch_eager=True, wait=False)
         if dtype == "fp8":
             if block_m >= 128:
                 return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=3, l1_block_n=128,
                            l2_block_n=128, l2_epilogue_split=2, l2_split_m=2, l2_flat=True,
-                           wait=False)
+                           **copy)
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=4, l1_block_n=128,
-                       l2_block_n=128, l2_epilogue_split=2, wait=False)
+                       l2_block_n=128, l2_epilogue_split=2, **copy)
         if block_m >= 128:
             return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=3, l1_block_n=128,
                        l1_block_k=64, l2_block_n=128, l2_block_k=64, l2_flat=True,
-                       l2_epilogue_split=4, wait=False)
+                       l2_epilogue_split=4, **copy)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
-                   l1_block_k=64, l2_block_n=128, l2_block_k=64, wait=False)
+                   l1_block_k=64, l2_block_n=128, l2_block_k=64, **copy)
 
     @classmethod
     def for_buffer(cls, buffer: SymmBuffer) -> "Tuning":
@@ -521,8 +526,8 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), **tuning.pdl_args(buffer),
-        **_launch_kw(tuning.copy_warps))
+        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), TT=tuning.dispatch_tile,
+        EAGER=tuning.dispatch_eager, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,8 +214,10 @@ def test_stage_providers_and_plot(tmp_path):
     # stacked bar per row, stages in run_staged's order, and refuses rows without stages
     from moestream.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
     from moestream.stages import STAGES
-    check_providers(["staged-stages", "fp8-staged-stages"])
+    check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
+                     "fp8-staged-graph-stages"])
     assert _stagewise("staged-stages") and not _replayed("staged-stages")
+    assert _stagewise("fp8-staged-graph-stages") and not _replayed("staged-graph-stages")
     assert _dtype("fp8-staged-stages") == "fp8" and not _stagewise("staged-graph")
     rows = [_row(shape=s, provider="staged-stages", tokens_per_rank=T, median_us=700.0,
                  stages_us={n: 10.0 * (i + 1) for i, n in enumerate(STAGES)})
@@ -249,11 +251,13 @@ def test_tuned_providers_and_their_overrides():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_stage_times_on_one_gpu():
-    # every stage of a staged call on one GPU (one virtual rank) gets a GPU time; the stages
-    # add up to the call, and the output is the layer's
-    from moestream import SymmBuffer
-    from moestream.bench_ep import _staged_call, stage_times
+@pytest.mark.parametrize("timer", ["stage_times", "graph_stage_times"])
+def test_stage_times_on_one_gpu(timer):
+    # every stage of a staged call on one GPU (one virtual rank) gets a GPU time, launched
+    # from Python or inside a graph replay; the stages add up to the call, and the output is
+    # the layer's
+    from moestream import SymmBuffer, bench_ep
+    from moestream.bench_ep import _staged_call
     from moestream.stages import STAGES
     from moestream.reference import moe_forward
     from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
@@ -263,8 +267,8 @@ def test_stage_times_on_one_gpu():
     x = make_tokens(50, cfg.hidden, generator=gen, device="cuda")
     idx, w = make_routing(50, cfg.num_experts, cfg.top_k, generator=gen, device="cuda")
     (w13,), (w2,) = make_weights(cfg, 1, generator=gen, device="cuda")
-    stats = stage_times(lambda mark: _staged_call(buf, (x, idx, w), (w13, w2), mark), reps=5,
-                        warmup=1)
+    stats = getattr(bench_ep, timer)(lambda mark: _staged_call(buf, (x, idx, w), (w13, w2),
+                                                               mark), reps=5, warmup=1)
     assert set(stats["stages_us"]) == set(STAGES)
     assert all(v > 0 for v in stats["stages_us"].values())
     assert abs(sum(stats["stages_us"].values()) - stats["median_us"]) <= 0.2 * stats["median_us"]

@@ -71,27 +71,33 @@ def check_layer(ys, xs, idxs, ws, w13s, w2s, *, hidden, label=""):
         assert bool((y[(idxs[r] < 0).all(dim=1)] == 0).all()), (label, r)
 
 
-def run_dispatch(buffer, xs, idxs, ws):
+def run_dispatch(buffer, xs, idxs, ws, *, tuning=stages.Tuning()):
     for lr in range(buffer.local_ranks):
         stages.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
     stages.layout(buffer)
-    stages.dispatch(buffer)
+    stages.dispatch(buffer, tuning=tuning)
     buffer.check()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tile, eager", [
+    (1, False),   # one token per ticket, picks -> slots -> row in three round trips
+    (4, True),    # the GPU default: tiles of 4 tokens, last tile of a source short, eager
+    (2, False),   # tiles of 2 without eager loads
+])
 @pytest.mark.parametrize("R, Ts, e_per_rank", [
     (1, [13], 5),            # R=1: every pick is local; 5 experts (prime-ish count per rank)
     (2, [17, 0], 4),         # a rank with zero tokens sends nothing and still receives
     (3, [5, 24, 1], 3),      # 3 ranks, T=1 on one, T=max on another, 3 experts per rank
     (4, [9, 3, 16, 7], 2),   # 4 ranks, T not a multiple of block_m
 ])
-def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank):
+def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager):
     cfg = small_config(num_experts=R * e_per_rank, top_k=min(3, R * e_per_rank))
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
-    run_dispatch(buf, xs, idxs, ws)
+    run_dispatch(buf, xs, idxs, ws, tuning=stages.Tuning(dispatch_tile=tile,
+                                                         dispatch_eager=eager))
 
     cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
     lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)

@@ -339,9 +339,11 @@ def dispatch_kernel(
     off_pool_x, off_pool_src, off_pool_weight,
     T_MAX, H, R, E_LOC, BM, P,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TT: tl.constexpr = 1, EAGER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Token-granular pull. Ticket i over (source rank, source token), sources in rank order.
+    """Token-granular pull. Ticket i over (source rank, tile of TT source tokens), sources in
+    rank order; ``pull_tokens`` moves a tile's tokens together (TT = 1: one token per ticket;
+    EAGER: its picks, slots, weights and first row chunk in one round trip to the peer).
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
     """
@@ -351,16 +353,18 @@ def dispatch_kernel(
     sv = tl.arange(0, R_PAD)
     src_tokens = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, mask=sv < R,
                          other=0)
-    incl = tl.cumsum(src_tokens, axis=0)
-    excl = incl - src_tokens
-    total = tl.sum(src_tokens, axis=0)
+    tiles = (src_tokens + TT - 1) // TT
+    incl = tl.cumsum(tiles, axis=0)
+    excl = incl - tiles
+    total = tl.sum(tiles, axis=0)
     if tl.load(diag, volatile=True) != 0:
         total = 0   # the layout step gave up waiting: its layout is stale, pull nothing
     ticket = pid
     while ticket < total:
         s = tl.sum((incl <= ticket).to(tl.int32), axis=0)           # source rank of the ticket
-        t = ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)     # token on that source
-        pull_tokens(table, rank, s, t, 1, par64, T_MAX, H, R, E_LOC, BM, P,
+        t0 = (ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)) * TT   # first token on it
+        n = tl.minimum(TT, tl.sum(tl.where(sv == s, src_tokens, 0), axis=0) - t0)
+        pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                     off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
-                    off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, 1)
+                    off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, TT, EAGER)
         ticket += nprog
