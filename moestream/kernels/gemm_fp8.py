@@ -67,14 +67,24 @@ def to_fp8(v, FIX_ROUNDING: tl.constexpr):
 def quant_rows_128(act, FIX_ROUNDING: tl.constexpr):
     """act [BM, BN] fp32 (BN a multiple of 128) -> (q [BM, BN] fp8, scale [BM, BN/128] fp32),
     per row per 128 columns: scale = max(amax / 448, 2**-126), q = fp8(clamp(act / scale))
-    (correctly rounded divisions, as torch computes quant.quantize_act_fp8)."""
+    (correctly rounded divisions, as torch computes quant.quantize_act_fp8).
+
+    An all-zero group (a masked or padding row: 7 of 8 rows of a publish tile at 1 token, 15
+    of 16 rows of a decode piece) quantizes to its zeros with scale 2**-126 without dividing:
+    both divisions see 1.0 / 1.0 there, because a zero or tiny operand sends the GPU's
+    correctly rounded division to its slow path (the fp8 publish took 87 µs at 1 token and 38
+    at 128 on dsv3 dims, benchmarks/NOTES.md, session 8). The results are unchanged."""
     BM: tl.constexpr = act.shape[0]
     BN: tl.constexpr = act.shape[1]
     G: tl.constexpr = BN // 128
     a3 = tl.reshape(act, [BM, G, 128])
     amax = tl.max(tl.abs(a3), axis=2)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
-    q = tl.math.div_rn(a3, scale[:, :, None])
+    live = amax > 0                                                       # [BM, G]
+    scale = tl.maximum(tl.where(live, tl.math.div_rn(tl.where(live, amax, 1.0), FP8_MAX), 0.0),
+                       FP8_MIN_SCALE)
+    live3 = live[:, :, None]
+    q = tl.where(live3, tl.math.div_rn(tl.where(live3, a3, 1.0),
+                                       tl.where(live, scale, 1.0)[:, :, None]), a3)
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     q = to_fp8(tl.reshape(q, [BM, BN]), FIX_ROUNDING)
     return q, scale
