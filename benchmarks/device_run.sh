@@ -24,6 +24,7 @@ fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.cli bench --virtual-ranks ${GEMM_R:-1} --shapes ${GEMM_SHAPES:-dsv3,qwen3} \
     --tokens-per-expert ${GEMM_M:-16,128,512,2048} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
+    ${GEMM_EXPERTS:+--experts-per-rank $GEMM_EXPERTS} \
     --out "$OUT/gemm_h200.jsonl" 2>&1 | tee "$OUT/gemm.log" | tail -80
 fi
 if has ep; then

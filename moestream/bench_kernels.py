@@ -95,6 +95,12 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
                                                l1_stages=3), "fp8"),   # L1 two per SM
     GemmVariant("fp8-dec16-p3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                              l1_stages=3, l2_stages=3, gemm_per_sm=3), "fp8"),
+    # deep pipelines for calls with fewer tiles than SMs (one program per SM, more bytes in
+    # flight per SM)
+    GemmVariant("dec16-deep", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=10,
+                                           l2_stages=10)),
+    GemmVariant("fp8-dec16-deep", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
+                                               l1_stages=5, l2_stages=10), "fp8"),
     GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
     GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
     # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)

@@ -81,6 +81,10 @@ class Tuning:
     dispatch_eager: dispatch tiles load picks, slots, weights and the first row chunk at
         once (one peer round trip instead of three in a row; also reads rows with no pick
         here).
+    dispatch_parts: the staged dispatch moves each row in this many parts (whole
+        ``hidden_chunk`` chunks; at most one part per chunk), each its own ticket, so a call
+        with few tokens keeps more row loads in flight (dsv3's 7168-wide rows are seven
+        chunks in a row otherwise). ``for_call`` splits decode-sized calls into every chunk.
     l2_flat: the staged L2's persistent loop over tiles and its K loop as one flat loop
         (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next tile's
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
@@ -148,6 +152,7 @@ class Tuning:
     combine_tile: int = 1
     combine_chunk: int | None = None
     dispatch_eager: bool = False
+    dispatch_parts: int = 1
     l2_group_m: int = 1
     l2_signal: str = "rank"
     l2_flat: bool = False
@@ -199,7 +204,8 @@ class Tuning:
 
         Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
         GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
-        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
+        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most; ``deep_for``
+        deepens the pipelines of a GEMM with fewer tiles than SMs). Otherwise L1
         column blocks are narrowed when a call touches so few experts that 128-wide blocks
         leave SMs idle (each block then streams its weights alone)."""
         t = cls.for_buffer(buffer)
@@ -210,29 +216,48 @@ class Tuning:
         fp8 = cfg.dtype == "fp8"
         dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
                              num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
-        if dm:
-            return t.decode(dm, cfg)
-        if fp8:   # fp8: a block quantizes 128 columns
-            return t
         # under uniform routing a rank receives about tokens * top_k picks
         touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
+        if dm:
+            return t.decode(dm, cfg).deep_for(touched, cfg, sms)
+        if fp8:   # fp8: a block quantizes 128 columns
+            return t
         bn = t.l1_tile(cfg)[0]
         while bn > 32 and touched * (cfg.intermediate // bn) < sms:
             bn //= 2
         return replace(t, l1_block_n=bn)
+
+    def deep_for(self, experts: int, cfg, sms: int) -> "Tuning":
+        """This decode tuning with deeper pipelines for a GEMM whose tiles over ``experts``
+        touched experts number at most ``sms``: each SM then streams one tile alone, so it
+        keeps twice the bytes in flight in one program (bf16 10 stages, ~205 KB of shared
+        memory; the fp8 L1 5). Only qwen3 at 1 token meets it among the benchmark shapes."""
+        l1_tiles = experts * (cfg.intermediate // self.l1_tile(cfg)[0])
+        l2_tiles = experts * cdiv(cfg.hidden, self.l2_tile(cfg)[0])
+        t = self
+        if l1_tiles <= sms:
+            t = replace(t, l1_stages=5 if cfg.dtype == "fp8" else 10)
+        if l2_tiles <= sms:
+            t = replace(t, l2_stages=10)
+        return t
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, L1 and L2 two
         programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
         3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
-        dsv3 equal), L2 two; L2 blocks 128 wide."""
+        dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
+        ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
+        words = cfg.token_bytes // 2   # a row's 16-bit words as dispatch moves them
+        parts = cdiv(words, min(next_pow2(words), self.hidden_chunk))
         if cfg.dtype == "fp8":
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
-                           l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
+                           l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
+                           dispatch_parts=parts)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
-                       l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False)
+                       l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
+                       dispatch_parts=parts)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
@@ -250,7 +275,7 @@ class Tuning:
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
-                     "l2_group_m", "gemm_per_sm"):
+                     "l2_group_m", "gemm_per_sm", "dispatch_parts"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -514,6 +539,18 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
         **tuning.pdl_args(buffer))
 
 
+def _dispatch_chunk(buffer: SymmBuffer, tuning: Tuning) -> int:
+    """16-bit words of a row that dispatch moves per load (BH)."""
+    return min(next_pow2(_constants(buffer).row_words), tuning.hidden_chunk)
+
+
+def dispatch_parts(buffer: SymmBuffer, tuning: Tuning) -> int:
+    """Parts of a row the staged dispatch moves as separate tickets (``Tuning.dispatch_parts``,
+    at most one per row chunk); the L1 waits for valid_m times this many arrivals."""
+    chunks = cdiv(_constants(buffer).row_words, _dispatch_chunk(buffer, tuning))
+    return min(tuning.dispatch_parts, chunks)
+
+
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     cfg = buffer.config
     c = _constants(buffer)
@@ -525,8 +562,8 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
-        K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=min(next_pow2(c.row_words), tuning.hidden_chunk), TT=tuning.dispatch_tile,
+        dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
+        BH=_dispatch_chunk(buffer, tuning), TT=tuning.dispatch_tile,
         EAGER=tuning.dispatch_eager, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
@@ -557,7 +594,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
-            cfg.act_bytes)
+            cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))

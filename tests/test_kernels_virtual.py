@@ -80,10 +80,11 @@ def run_dispatch(buffer, xs, idxs, ws, *, tuning=stages.Tuning()):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("tile, eager", [
-    (1, False),   # one token per ticket, picks -> slots -> row in three round trips
-    (4, True),    # the GPU default: tiles of 4 tokens, last tile of a source short, eager
-    (2, False),   # tiles of 2 without eager loads
+@pytest.mark.parametrize("tile, eager, parts", [
+    (1, False, 1),   # one token per ticket, picks -> slots -> row in three round trips
+    (4, True, 1),    # the GPU default: tiles of 4 tokens, last tile of a source short, eager
+    (2, False, 3),   # tiles of 2, rows in 3 parts of 2, 2 and 0 chunks (the empty part counts)
+    (4, True, 9),    # eager, parts asked past the row's chunks: one per chunk (4)
 ])
 @pytest.mark.parametrize("R, Ts, e_per_rank", [
     (1, [13], 5),            # R=1: every pick is local; 5 experts (prime-ish count per rank)
@@ -91,13 +92,16 @@ def run_dispatch(buffer, xs, idxs, ws, *, tuning=stages.Tuning()):
     (3, [5, 24, 1], 3),      # 3 ranks, T=1 on one, T=max on another, 3 experts per rank
     (4, [9, 3, 16, 7], 2),   # 4 ranks, T not a multiple of block_m
 ])
-def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager):
+def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager, parts):
     cfg = small_config(num_experts=R * e_per_rank, top_k=min(3, R * e_per_rank))
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
-    run_dispatch(buf, xs, idxs, ws, tuning=stages.Tuning(dispatch_tile=tile,
-                                                         dispatch_eager=eager))
+    # hidden_chunk 64: a row (hidden 256) is 4 chunks
+    tuning = stages.Tuning(dispatch_tile=tile, dispatch_eager=eager, dispatch_parts=parts,
+                           hidden_chunk=64)
+    run_dispatch(buf, xs, idxs, ws, tuning=tuning)
+    parts = stages.dispatch_parts(buf, tuning)   # arrivals per row
 
     cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
     lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
@@ -130,7 +134,8 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager):
         for e in range(e_loc):
             b0, b1 = int(lay.block_start[d, e]), int(lay.block_start[d, e + 1])
             for mb in range(b0, b1):
-                assert int(arrival[mb]) == valid_m(int(lay.expert_count[d, e]), mb - b0, cfg.block_m)
+                want = valid_m(int(lay.expert_count[d, e]), mb - b0, cfg.block_m) * parts
+                assert int(arrival[mb]) == want
         assert int(arrival[n_blocks:].abs().sum()) == 0
         # each m-block's expert and valid rows, as the GEMM blocks read them
         meta = buf.view("block_meta", d).cpu()[:n_blocks]
@@ -138,7 +143,7 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager):
             b0, b1 = int(lay.block_start[d, e]), int(lay.block_start[d, e + 1])
             for mb in range(b0, b1):
                 assert int(meta[mb]) >> 9 == e
-                assert int(meta[mb]) & 511 == int(arrival[mb])
+                assert (int(meta[mb]) & 511) * parts == int(arrival[mb])
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -505,8 +510,10 @@ def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("Ts, tuning", [
     # block_m 32 in pieces of 16 rows: ~30 rows per expert, so an m-block runs a full and a
-    # partial piece (weights read twice); descriptor loads
-    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64)),
+    # partial piece (weights read twice); descriptor loads; dispatch moves rows in 2 parts
+    # (tiles of 4 tokens, eager), so the L1 waits for 2 arrivals per row
+    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, dispatch_parts=2,
+                             hidden_chunk=128, dispatch_tile=4, dispatch_eager=True)),
     # pointer loads, no waits, quarters; a piece of 16 rows in a 32-row block
     ([37, 23], stages.Tuning(decode_rows=16, use_tma=False, wait=False,
                              l2_epilogue_split=4, l2_block_n=64, programs=3)),
@@ -566,6 +573,17 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
     t = stages.Tuning.for_call(buf, 1)
     assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 5)
+    assert stages.dispatch_parts(buf, t) == 7   # 7168-wide rows: 7 chunks of 1024, a ticket each
+    assert stages.dispatch_parts(buf, stages.Tuning.for_call(buf, 4096)) == 1
+    # dsv3 at 1 token: 8 experts x 32 L1 tiles > 132 SMs, pipelines stay at 5 stages;
+    # qwen3 at 1 token: 8 x 12 L1 tiles and 8 x 16 L2 tiles fit 132 SMs: 10 stages each
+    assert (t.l1_stages, t.l2_stages) == (5, 5)
+    q = SymmBuffer(MoEConfig.from_shape("qwen3", max_tokens_per_rank=256), num_ranks=2,
+                   device="cpu")
+    q._launch_constants = dc_replace(stages._constants(q), sms=132)
+    assert (stages.Tuning.for_call(q, 1).l1_stages, stages.Tuning.for_call(q, 1).l2_stages) \
+        == (10, 10)
+    assert stages.Tuning.for_call(q, 8).l1_stages == 5   # 64 experts touched
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     assert stages.fused_tuning(buf, 1).decode_rows == 0

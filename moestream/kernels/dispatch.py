@@ -267,7 +267,7 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                 off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
                 off_pool_src, off_pool_weight, off_arrival,
                 K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
-                EAGER: tl.constexpr = False):
+                EAGER: tl.constexpr = False, h_lo=0, h_hi=-1):
     """One dispatch task: tokens [t0, t0 + n) of source rank ``s`` into ``rank``'s pool, TT
     tokens at a time (TT = 1: the token-granular task).
 
@@ -277,13 +277,17 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
     EAGER: issue the slot, weight and first row-chunk loads together with the picks' load
     (one peer round trip instead of three in a row; reads the rows of tokens with no pick
     here too).
+    [h_lo, h_hi): the part of the rows this task moves (h_hi = -1: to the end; h_lo a
+    multiple of BH); the task of part h_lo = 0 also stores the rows' sources and weights, and
+    every part adds its own arrival (``dispatch_kernel``'s PARTS).
     """
     k = tl.arange(0, K_PAD)
     km = k < K
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     x_src = peer_ptr(table, s, off_x, tl.bfloat16) + par64 * T_MAX * H
-    h_0 = tl.arange(0, BH)
-    hm_0 = h_0 < H
+    h_end = tl.where(h_hi < 0, H, h_hi)
+    h_0 = h_lo + tl.arange(0, BH)
+    hm_0 = h_0 < h_end
     for i in range(0, n, TT):
         t = t0 + i + tl.arange(0, TT)
         tm = t < t0 + n
@@ -317,15 +321,17 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                 v_0 = tl.load(x_src + t64[:, None] * H + h_0[None, :],
                               mask=wanted[:, None] & hm_0[None, :])
             _store_rows(pool_x, v_0, row64, mine, k, h_0, hm_0, H, K)
-            for h0 in range(BH, H, BH):
-                h = h0 + h_0
-                hm = h < H
+            for h0 in range(h_lo + BH, h_end, BH):
+                h = h0 + tl.arange(0, BH)
+                hm = h < h_end
                 v = tl.load(x_src + t64[:, None] * H + h[None, :],
                             mask=wanted[:, None] & hm[None, :])                     # [TT, BH]
                 _store_rows(pool_x, v, row64, mine, k, h, hm, H, K)
-            tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row,
-                     (s * T_MAX + t[:, None]) * K + k[None, :], mask=mine)
-            tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w, mask=mine)
+            if h_lo == 0:
+                tl.store(peer_ptr(table, rank, off_pool_src, tl.int32) + row,
+                         (s * T_MAX + t[:, None]) * K + k[None, :], mask=mine)
+                tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w,
+                         mask=mine)
             tl.debug_barrier()  # every thread's row stores precede the release below
             tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1,
                           mask=mine, sem="release", scope="gpu")
@@ -337,13 +343,16 @@ def dispatch_kernel(
     off_epoch, off_diag, off_src_row, off_src_tokens, off_arrival,
     off_x, off_topk_idx, off_topk_weights, off_slot,
     off_pool_x, off_pool_src, off_pool_weight,
-    T_MAX, H, R, E_LOC, BM, P,
+    T_MAX, H, R, E_LOC, BM, P, PARTS,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
     TT: tl.constexpr = 1, EAGER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Token-granular pull. Ticket i over (source rank, tile of TT source tokens), sources in
-    rank order; ``pull_tokens`` moves a tile's tokens together (TT = 1: one token per ticket;
-    EAGER: its picks, slots, weights and first row chunk in one round trip to the peer).
+    """Token-granular pull. Ticket i over (source rank, tile of TT source tokens, part of the
+    row), sources in rank order; ``pull_tokens`` moves a tile's tokens together (TT = 1: one
+    token per ticket; EAGER: its picks, slots, weights and first row chunk in one round trip
+    to the peer). Rows move in PARTS parts of whole BH chunks, each its own ticket (more loads
+    in flight when a call has few tokens); each part adds its arrival, so an m-block is
+    complete at valid_m * PARTS.
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
     """
@@ -356,15 +365,19 @@ def dispatch_kernel(
     tiles = (src_tokens + TT - 1) // TT
     incl = tl.cumsum(tiles, axis=0)
     excl = incl - tiles
-    total = tl.sum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0) * PARTS
     if tl.load(diag, volatile=True) != 0:
         total = 0   # the layout step gave up waiting: its layout is stale, pull nothing
+    part_words = tl.cdiv(tl.cdiv(H, BH), PARTS) * BH
     ticket = pid
     while ticket < total:
-        s = tl.sum((incl <= ticket).to(tl.int32), axis=0)           # source rank of the ticket
-        t0 = (ticket - tl.sum(tl.where(sv == s, excl, 0), axis=0)) * TT   # first token on it
+        tile = ticket // PARTS
+        h_lo = (ticket % PARTS) * part_words
+        s = tl.sum((incl <= tile).to(tl.int32), axis=0)             # source rank of the tile
+        t0 = (tile - tl.sum(tl.where(sv == s, excl, 0), axis=0)) * TT   # first token on it
         n = tl.minimum(TT, tl.sum(tl.where(sv == s, src_tokens, 0), axis=0) - t0)
         pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                     off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
-                    off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, TT, EAGER)
+                    off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, TT, EAGER,
+                    h_lo, tl.minimum(h_lo + part_words, H))
         ticket += nprog

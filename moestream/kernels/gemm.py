@@ -301,6 +301,7 @@ def l1_kernel(
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
+    PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
@@ -308,7 +309,8 @@ def l1_kernel(
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
-    (``l1_decode_block``; the fp8 form loads by descriptor too)."""
+    (``l1_decode_block``; the fp8 form loads by descriptor too).
+    WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
@@ -341,8 +343,8 @@ def l1_kernel(
     while (ticket < total) & ok:
         meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(arrival + ticket // NB, meta & 511, diag, max_spins, timeout_ns,
-                               2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
+            ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
+                               timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
             l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
