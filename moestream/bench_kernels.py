@@ -95,8 +95,9 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
                                                l1_stages=3), "fp8"),   # L1 two per SM
     GemmVariant("fp8-dec16-p3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                              l1_stages=3, l2_stages=3, gemm_per_sm=3), "fp8"),
-    # deep pipelines for calls with fewer tiles than SMs (one program per SM, more bytes in
-    # flight per SM)
+    # deep pipelines (one program per SM, more bytes in flight per SM), for calls with fewer
+    # tiles than SMs: measured with 8 experts at 1 and 16 rows (session 8), equal or slower
+    # except the qwen3 bf16 L1 at 1 row; not adopted
     GemmVariant("dec16-deep", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=10,
                                            l2_stages=10)),
     GemmVariant("fp8-dec16-deep", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),

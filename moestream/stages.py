@@ -204,8 +204,7 @@ class Tuning:
 
         Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
         GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
-        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most; ``deep_for``
-        deepens the pipelines of a GEMM with fewer tiles than SMs). Otherwise L1
+        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
         column blocks are narrowed when a call touches so few experts that 128-wide blocks
         leave SMs idle (each block then streams its weights alone)."""
         t = cls.for_buffer(buffer)
@@ -216,30 +215,16 @@ class Tuning:
         fp8 = cfg.dtype == "fp8"
         dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
                              num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
-        # under uniform routing a rank receives about tokens * top_k picks
-        touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
         if dm:
-            return t.decode(dm, cfg).deep_for(touched, cfg, sms)
+            return t.decode(dm, cfg)
         if fp8:   # fp8: a block quantizes 128 columns
             return t
+        # under uniform routing a rank receives about tokens * top_k picks
+        touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
         bn = t.l1_tile(cfg)[0]
         while bn > 32 and touched * (cfg.intermediate // bn) < sms:
             bn //= 2
         return replace(t, l1_block_n=bn)
-
-    def deep_for(self, experts: int, cfg, sms: int) -> "Tuning":
-        """This decode tuning with deeper pipelines for a GEMM whose tiles over ``experts``
-        touched experts number at most ``sms``: each SM then streams one tile alone, so it
-        keeps twice the bytes in flight in one program (bf16 10 stages, ~205 KB of shared
-        memory; the fp8 L1 5). Only qwen3 at 1 token meets it among the benchmark shapes."""
-        l1_tiles = experts * (cfg.intermediate // self.l1_tile(cfg)[0])
-        l2_tiles = experts * cdiv(cfg.hidden, self.l2_tile(cfg)[0])
-        t = self
-        if l1_tiles <= sms:
-            t = replace(t, l1_stages=5 if cfg.dtype == "fp8" else 10)
-        if l2_tiles <= sms:
-            t = replace(t, l2_stages=10)
-        return t
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
