@@ -161,9 +161,7 @@ def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
 
     Returns median_us / p20_us / p80_us of the whole call and ``stages_us``: the median of
     each stage (``stages.STAGES`` order)."""
-    import torch.distributed as dist
-
-    from .bench import QUEUE_AHEAD_CYCLES, _percentile
+    from .bench import QUEUE_AHEAD_CYCLES
     from .stages import STAGES
 
     for _ in range(warmup):
@@ -171,9 +169,7 @@ def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
     totals: list[float] = []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        if dist.is_initialized():
-            dist.barrier()
+        _meet()
         torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -186,14 +182,34 @@ def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
 
         call(on_stage)
         torch.cuda.synchronize()
-        prev = start
-        for name, ev in marks:
-            per_stage[name].append(prev.elapsed_time(ev) * 1e3)
-            prev = ev
-        totals.append(start.elapsed_time(prev) * 1e3)
-    totals.sort()
+        _read_stages(start, marks, per_stage, totals)
+    return _stage_summary(per_stage, totals, reps, "cuda_events")
+
+
+def _meet() -> None:
+    """Every queued GPU op done, then every rank at a barrier (when distributed)."""
+    import torch.distributed as dist
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _read_stages(start, marks: Sequence[tuple[str, Any]], per_stage: dict[str, list[float]],
+                 totals: list[float]) -> None:
+    """Append each stage's time (µs since the previous mark) and the call's (since start)."""
+    prev = start
+    for name, ev in marks:
+        per_stage[name].append(prev.elapsed_time(ev) * 1e3)
+        prev = ev
+    totals.append(start.elapsed_time(prev) * 1e3)
+
+
+def _stage_summary(per_stage: dict[str, list[float]], totals: list[float], reps: int,
+                   clock: str) -> dict[str, Any]:
+    from .bench import _percentile
+    totals = sorted(totals)
     return dict(median_us=statistics.median(totals), p20_us=_percentile(totals, 0.2),
-                p80_us=_percentile(totals, 0.8), reps=reps, clock="cuda_events",
+                p80_us=_percentile(totals, 0.8), reps=reps, clock=clock,
                 stages_us={n: statistics.median(v) for n, v in per_stage.items() if v})
 
 
@@ -204,9 +220,6 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     so the timed call starts the way replayed calls do, right behind the previous one on
     every rank, and its stages carry no launch gaps. Each rep: the ranks meet at a barrier,
     replay the graph and read the events. Collective like ``stage_times``; same result keys."""
-    import torch.distributed as dist
-
-    from .bench import _percentile
     from .stages import STAGES
 
     def event():
@@ -225,20 +238,11 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
     totals: list[float] = []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        if dist.is_initialized():
-            dist.barrier()
+        _meet()
         g.replay()
         torch.cuda.synchronize()
-        prev = start
-        for name in STAGES:
-            per_stage[name].append(prev.elapsed_time(marks[name]) * 1e3)
-            prev = marks[name]
-        totals.append(start.elapsed_time(prev) * 1e3)
-    totals.sort()
-    return dict(median_us=statistics.median(totals), p20_us=_percentile(totals, 0.2),
-                p80_us=_percentile(totals, 0.8), reps=reps, clock="cuda_graph_events",
-                stages_us={n: statistics.median(v) for n, v in per_stage.items()})
+        _read_stages(start, [(n, marks[n]) for n in STAGES], per_stage, totals)
+    return _stage_summary(per_stage, totals, reps, "cuda_graph_events")
 
 
 def _staged_call(buf, a, weights, mark) -> torch.Tensor:

@@ -276,3 +276,82 @@ def test_stage_times_on_one_gpu(timer):
     buf.check()
     ref = moe_forward(x, idx, w, w13, w2)
     assert rel_error(y, ref) <= TOLERANCE["bf16"]
+
+
+class _FakeClock:
+    """Stand-ins for torch.cuda's events, graphs and syncs on a CPU machine: every event
+    record reads a clock that advances 1 ms per record, so stage i of a call spans 1 ms."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.capture = None
+
+    def event(self, **kw):
+        clock = self
+
+        class Event:
+            t = None
+
+            def record(self):
+                if clock.capture is not None:      # captured: replayed later
+                    clock.capture.append(self.record_now)
+                else:
+                    self.record_now()
+
+            def record_now(self):
+                clock.now += 1.0
+                self.t = clock.now
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        return Event()
+
+    def graph_class(self):
+        class Graph:
+            def __init__(self):
+                self.nodes = []
+
+            def replay(self):
+                for node in self.nodes:
+                    node()
+        return Graph
+
+    def graph(self, g):
+        import contextlib
+        clock = self
+
+        @contextlib.contextmanager
+        def capturing():
+            clock.capture = g.nodes
+            try:
+                yield
+            finally:
+                clock.capture = None
+        return capturing()
+
+
+@pytest.mark.parametrize("timer", ["stage_times", "graph_stage_times"])
+def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
+    # the timers' bookkeeping without a GPU: each stage's time runs from the previous mark
+    # (the first from the call's start), in STAGES order, and the stages add up to the call
+    from moestream import bench_ep
+    from moestream.stages import STAGES
+    clock = _FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", clock.graph_class())
+    monkeypatch.setattr(torch.cuda, "graph", clock.graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda *a: None)
+    calls = []
+
+    def call(mark):
+        calls.append(mark)
+        for name in STAGES:
+            mark(name)
+
+    stats = getattr(bench_ep, timer)(call, reps=4, warmup=2)
+    assert list(stats["stages_us"]) == list(STAGES)
+    assert all(v == 1e3 for v in stats["stages_us"].values())   # 1 ms each, in µs
+    assert stats["median_us"] == len(STAGES) * 1e3 == stats["p20_us"] == stats["p80_us"]
+    assert stats["reps"] == 4
