@@ -92,27 +92,37 @@ def _worker_dispatch_exact(rank, world, seed):
         idxs.append(idx)
         ws.append(w)
     buf = SymmBuffer(cfg, group=dist.group.WORLD)
-    stages.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
-    stages.layout(buf)
-    stages.dispatch(buf)
-    torch.cuda.synchronize()
-    buf.check()
     cs = [source_slots(i, cfg.num_experts) for i in idxs]
     lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
     want = pool_sources(lay, idxs, [s for _, s in cs], capacity=cfg.pool_capacity(world),
                         max_tokens=cfg.max_tokens_per_rank)[rank]
     rows = (want >= 0).nonzero().flatten()
-    got_src = buf.view("pool_src").cpu()[rows].long()
-    pool = buf.view("pool_x").cpu()
     T_MAX, K = cfg.max_tokens_per_rank, cfg.top_k
     s, t = want[rows] // (T_MAX * K), (want[rows] // K) % T_MAX
-    bad_rows = sum(int(not torch.equal(pool[r], xs[si][ti]))
-                   for r, si, ti in zip(rows.tolist(), s.tolist(), t.tolist()))
-    result = dict(rank=rank, rows=len(rows), src_mismatch=int((got_src != want[rows]).sum()),
-                  payload_mismatch=bad_rows,
-                  layout_ok=buf.view("block_start").cpu().tolist() == lay.block_start[rank].tolist())
+    results = []
+    # one token per ticket; then the GPU default's tiles of 4 with eager loads and rows in 4
+    # parts of 128 words (as decode calls split dsv3's rows), each part its own peer load
+    for tuning in (stages.Tuning(), stages.Tuning(dispatch_tile=4, dispatch_eager=True,
+                                                  dispatch_parts=4, hidden_chunk=128)):
+        buf.view("pool_x").fill_(float("nan"))
+        stages.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        stages.layout(buf)
+        stages.dispatch(buf, tuning=tuning)
+        torch.cuda.synchronize()
+        buf.check()
+        got_src = buf.view("pool_src").cpu()[rows].long()
+        pool = buf.view("pool_x").cpu()
+        bad_rows = sum(int(not torch.equal(pool[r], xs[si][ti]))
+                       for r, si, ti in zip(rows.tolist(), s.tolist(), t.tolist()))
+        parts = stages.dispatch_parts(buf, tuning)
+        arrived = int(buf.view("arrival").cpu().sum())
+        results.append(dict(
+            rank=rank, rows=len(rows), parts=parts, arrivals_ok=arrived == len(rows) * parts,
+            src_mismatch=int((got_src != want[rows]).sum()), payload_mismatch=bad_rows,
+            layout_ok=buf.view("block_start").cpu().tolist() == lay.block_start[rank].tolist()))
+        dist.barrier()   # every rank's pulls of this call are done before the next publish
     buf.destroy()
-    return result
+    return results
 
 
 def _worker_many_calls(rank, world, seed, calls):
@@ -241,9 +251,11 @@ def test_layer_edge_cases_match_reference():
 
 
 def test_dispatch_is_exact_across_gpus():
-    for r in _spawn(_worker_dispatch_exact, 99):
-        assert r["rows"] > 0 and r["layout_ok"], r
-        assert r["src_mismatch"] == 0 and r["payload_mismatch"] == 0, r
+    for per_rank in _spawn(_worker_dispatch_exact, 99):
+        assert [r["parts"] for r in per_rank] == [1, 4], per_rank
+        for r in per_rank:
+            assert r["rows"] > 0 and r["layout_ok"] and r["arrivals_ok"], r
+            assert r["src_mismatch"] == 0 and r["payload_mismatch"] == 0, r
 
 
 def test_thousand_calls_two_layers_no_drift():
