@@ -12,8 +12,8 @@ calls, since every call waits for every peer's ready flag of that call):
                                               first stall's diagnostic, publish programs done)
                num_tokens [2], send_counts [2, E]   published with the inputs (peers read)
                expert_count, block_start, src_row, src_tokens, block_meta, wave_mb,
-               num_waves                      this rank's pool layout and expert waves,
-                                              computed on device every call
+               num_waves                      this rank's pool layout (every call) and expert
+                                              waves (calls of the fused launch), on device
                arrival, l1_done, l2_done, tickets, l2_programs, l2_ranks_done,
                combine_flag                   zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
@@ -122,8 +122,8 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("src_row", (e_loc, num_ranks), "int32", "first pool row of each source inside each expert", False, False),
         ("src_tokens", (num_ranks,), "int32", "T of each source rank in this call", False, False),
         ("block_meta", (n_mb,), "int32", "per m-block: local expert * 512 + valid_m", False, False),
-        ("wave_mb", (e_loc + 1,), "int32", "first m-block of each expert wave; [num_waves] = total", False, False),
-        ("num_waves", (1,), "int32", "expert waves of this call (moestream.schedule.expert_waves)", False, False),
+        ("wave_mb", (e_loc + 1,), "int32", "first m-block of each expert wave; [num_waves] = total (fused path; the staged one leaves it)", False, False),
+        ("num_waves", (1,), "int32", "expert waves of this call (moestream.schedule.expert_waves; fused path)", False, False),
         ("arrival", (n_mb,), "int32", "tokens arrived per pool m-block (dispatch -> L1)", True, False),
         ("l1_done", (n_mb,), "int32", "L1 column blocks finished per m-block (L1 -> L2)", True, False),
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),

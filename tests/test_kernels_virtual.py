@@ -575,6 +575,8 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 5)
     assert stages.dispatch_parts(buf, t) == 7   # 7168-wide rows: 7 chunks of 1024, a ticket each
     assert stages.dispatch_parts(buf, stages.Tuning.for_call(buf, 4096)) == 1
+    # fp8 rows: 7168 e4m3 bytes + 56 fp32 scales = 3696 words, 4 chunks of 1024
+    assert stages.Tuning.hopper(128, "fp8").decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     assert stages.fused_tuning(buf, 1).decode_rows == 0
