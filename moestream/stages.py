@@ -468,9 +468,11 @@ def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tun
                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
     (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort, which
-    took ~60 µs of GPU time per call at small T (benchmarks/NOTES.md, session 5).
-    ``topk_idx`` must be contiguous. ``pdl``: launch it with programmatic dependent launch
-    (``Tuning.pdl``)."""
+    took ~60 µs of GPU time per call at small T (benchmarks/NOTES.md, session 5). The
+    publish launch runs the same numbering (``kernels/dispatch.number_picks``) in programs of
+    its own, straight into the buffer; this standalone form serves tests and callers that
+    want the slots as tensors. ``topk_idx`` must be contiguous. ``pdl``: launch it with
+    programmatic dependent launch (``Tuning.pdl``)."""
     T, K = topk_idx.shape
     counts = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     slot = torch.empty(T, K, dtype=torch.int32, device=topk_idx.device)
