@@ -16,7 +16,7 @@ if has env; then
 fi
 if has test; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" ${TESTS:-tests} -p no:cacheprovider \
-    --timeout 240 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+    --timeout 240 --durations=25 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 fi
 if has run; then
   timeout ${RUN_TIMEOUT:-120} python3 -m moestream.cli run 2>&1 | tee "$OUT/run.log" | tail -15
