@@ -233,8 +233,7 @@ class Tuning:
         3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
         dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
-        words = cfg.token_bytes // 2   # a row's 16-bit words as dispatch moves them
-        parts = cdiv(words, min(next_pow2(words), self.hidden_chunk))
+        parts = _row_chunks(cfg.token_bytes // 2, self.hidden_chunk)   # every chunk of a row
         if cfg.dtype == "fp8":
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
@@ -526,16 +525,21 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
         **tuning.pdl_args(buffer))
 
 
-def _dispatch_chunk(buffer: SymmBuffer, tuning: Tuning) -> int:
-    """16-bit words of a row that dispatch moves per load (BH)."""
-    return min(next_pow2(_constants(buffer).row_words), tuning.hidden_chunk)
+def _row_chunk(words: int, hidden_chunk: int) -> int:
+    """16-bit words of a row of ``words`` that dispatch moves per load (its BH)."""
+    return min(next_pow2(words), hidden_chunk)
+
+
+def _row_chunks(words: int, hidden_chunk: int) -> int:
+    """Loads of ``_row_chunk`` words that move one row."""
+    return cdiv(words, _row_chunk(words, hidden_chunk))
 
 
 def dispatch_parts(buffer: SymmBuffer, tuning: Tuning) -> int:
     """Parts of a row the staged dispatch moves as separate tickets (``Tuning.dispatch_parts``,
     at most one per row chunk); the L1 waits for valid_m times this many arrivals."""
-    chunks = cdiv(_constants(buffer).row_words, _dispatch_chunk(buffer, tuning))
-    return min(tuning.dispatch_parts, chunks)
+    return min(tuning.dispatch_parts, _row_chunks(_constants(buffer).row_words,
+                                                  tuning.hidden_chunk))
 
 
 def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
@@ -550,7 +554,7 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
-        BH=_dispatch_chunk(buffer, tuning), TT=tuning.dispatch_tile,
+        BH=_row_chunk(c.row_words, tuning.hidden_chunk), TT=tuning.dispatch_tile,
         EAGER=tuning.dispatch_eager, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 

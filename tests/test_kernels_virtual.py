@@ -268,9 +268,10 @@ def test_bad_granularity_names_what_is_allowed(gen):
         stages.Tuning(dispatch_tile=3)
     with pytest.raises(ValueError, match="l2_signal must be 'rank' or 'rows'"):
         stages.Tuning(l2_signal="tile")
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="l2_group_m must be an int >= 1"):
-            stages.Tuning(l2_group_m=bad)
+    for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts"):
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+                stages.Tuning(**{name: bad})
     for bad in (0, 3, 8, True, 2.0):
         with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
             stages.Tuning(l2_epilogue_split=bad)
