@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,ep,trace,sweep,layer,probe (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe (default env,test,gemm,ep)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -26,6 +26,11 @@ if has gemm; then
     --tokens-per-expert ${GEMM_M:-16,128,512,2048} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
     ${GEMM_EXPERTS:+--experts-per-rank $GEMM_EXPERTS} \
     --out "$OUT/gemm_h200.jsonl" 2>&1 | tee "$OUT/gemm.log" | tail -80
+fi
+if has quant; then
+  timeout ${QUANT_TIMEOUT:-240} python3 benchmarks/quant_gemm.py --shapes ${QUANT_SHAPES:-dsv3,qwen3} \
+    --tokens-per-expert ${QUANT_M:-16,128,2048} ${QUANT_CONFIGS:+--fp4w-configs $QUANT_CONFIGS} \
+    --out "$OUT/quant_gemm.jsonl" 2>&1 | tee "$OUT/quant.log" | tail -60
 fi
 if has ep; then
   timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \

@@ -138,9 +138,9 @@ def compile_quant_gemms(*, fmt: str = "fp8", hidden: int = 7168, intermediate: i
         else:
             from .fp4 import l1_fp4w, l2_fp4w
             l1_fp4w(w13_packed=torch.empty(E, 2 * I, H // 2, dtype=u8),
-                    w13_scale=torch.empty(E, 2 * I, H // 32, dtype=u8), **l1_in, **kw)
+                    w13_scale=torch.zeros(E, 2 * I, H // 32, dtype=u8), **l1_in, **kw)
             l2_fp4w(w2_packed=torch.empty(E, H, I // 2, dtype=u8),
-                    w2_scale=torch.empty(E, H, I // 32, dtype=u8), **l2_in, **kw)
+                    w2_scale=torch.zeros(E, H, I // 32, dtype=u8), **l2_in, **kw)
     return _facts(compiled)
 
 

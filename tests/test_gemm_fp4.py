@@ -3,7 +3,8 @@ moestream.fp4) against the quantization-aware math in fp64 (moestream.quant's de
 on the CPU interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
 
 Tolerances (written down here, see docs/quantization.md "MXFP4 GEMM kernels (standalone)"):
-* decode: e2m1 -> e4m3 bit-exact for all 16 codes; E8M0 -> fp32 exact for all 255 codes.
+* decode: every packed byte's two e2m1 codes -> e4m3 bytes of 2**-6 x their values, bit-exact
+  (the Triton form, and on a GPU the PTX form); E8M0 code c -> 2**(c - 126) exact for c <= 253.
 * L2 and the L1 pre-activation differ from fp64 only by fp32 rounding (each k=32 dot's sum,
   its scaling, the accumulation): |y - ref| <= 1e-5 * (|a| @ |w|^T) elementwise, as the fp8
   kernels; bf16 output adds 2**-8 |ref|.
@@ -25,8 +26,9 @@ import torch
 
 from moestream.aot import SM90_SHARED_LIMIT
 from moestream.fp4 import l1_fp4w, l2_fp4w, pack_block_meta
+from moestream.kernels import gemm_fp4
 from moestream.kernels._common import tl, triton
-from moestream.kernels.gemm_fp4 import decode_e2m1_to_e4m3, e8m0_to_fp32
+from moestream.kernels.gemm_fp4 import MAX_E8M0, e8m0_twice, place_e2m1_pairs
 from moestream.quant import (
     E2M1_VALUES,
     convert_expert_weights_mxfp4,
@@ -98,35 +100,60 @@ def _l1_reference(xq, xs, w, pool_w, blocks, bm):
 # ---- decode ---------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_kernel(codes, out_e4m3, e8m0, out_scale):
-    o16 = tl.arange(0, 16)
-    tl.store(out_e4m3 + o16, decode_e2m1_to_e4m3(tl.load(codes + o16)))
-    o256 = tl.arange(0, 256)
-    tl.store(out_scale + o256, e8m0_to_fp32(tl.load(e8m0 + o256)))
+def _decode_kernel(packed, out_lo, out_hi, e8m0, out_scale, ASM: tl.constexpr):
+    o = tl.arange(0, 256)
+    p = tl.load(packed + o)
+    if ASM:   # the PTX form (GPU only)
+        lo, hi = tl.inline_asm_elementwise(gemm_fp4._PLACE_ASM, "=r,=r,r", [p],
+                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        lo = lo.to(tl.float8e4nv, bitcast=True)
+        hi = hi.to(tl.float8e4nv, bitcast=True)
+    else:
+        lo, hi = place_e2m1_pairs(p, False)
+    tl.store(out_lo + o, lo)
+    tl.store(out_hi + o, hi)
+    words = tl.load(e8m0 + tl.arange(0, 64))
+    for j in tl.static_range(4):
+        tl.store(out_scale + tl.arange(0, 64) * 4 + j, e8m0_twice(words, j))
 
 
-def test_decode_e2m1_and_e8m0_exact():
-    """Every e2m1 code (sign << 3 | index) becomes the e4m3 byte of the same value (-0 for
-    code 8); every E8M0 code c < 255 becomes 2**(c - 127) exactly (c = 0: subnormal), 255 NaN."""
-    codes = torch.arange(16, dtype=U8)
-    e8m0 = torch.arange(256, dtype=torch.int32).to(U8)
-    out = torch.full((16,), NAN8, dtype=U8).view(F8)
+@pytest.mark.parametrize("asm", [
+    False,
+    pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        DEV != "cuda", reason="PTX inline assembly needs a GPU (the interpreter has none)")]),
+])
+def test_decode_e2m1_and_e8m0_exact(asm):
+    """Every byte (two e2m1 codes, sign << 3 | index, low nibble first) becomes two e4m3 bytes
+    holding 2**-6 x the codes' values, bit for bit (-0 for code 8; 0.5 * 2**-6 is e4m3's
+    subnormal 2**-7). Every E8M0 code c <= MAX_E8M0 becomes 2 * 2**(c - 127) exactly, read from
+    little-endian uint32 words of four codes as the GEMMs read them."""
+    packed = torch.arange(256, dtype=torch.int32).to(U8)
+    codes = torch.arange(256, dtype=torch.int32).to(U8)
+    lo = torch.full((256,), NAN8, dtype=U8).view(F8)
+    hi = torch.full((256,), NAN8, dtype=U8).view(F8)
     scale = torch.full((256,), -1.0)
-    args = to_device(DEV, codes, out, e8m0, scale)
-    _decode_kernel[(1,)](*args)
-    out, scale = args[1].cpu(), args[3].cpu()
-    want = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
-    assert torch.equal(out.float(), want)
-    assert torch.equal(out.view(U8), want.to(F8).view(U8))       # bytes, -0 included
-    want_s = torch.ldexp(torch.ones(255), torch.arange(255) - 127.0)
-    assert torch.equal(scale[:255], want_s)
-    assert bool(scale[255].isnan())
+    args = to_device(DEV, packed, lo, hi, codes.view(torch.int32), scale)
+    _decode_kernel[(1,)](*args, ASM=asm)
+    lo, hi, scale = args[1].cpu(), args[2].cpu(), args[4].cpu()
+    value = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+    for got, nibble in ((lo, packed.long() & 15), (hi, packed.long() >> 4)):
+        want = value[nibble] * 2.0 ** -6
+        assert torch.equal(got.double(), want)
+        assert torch.equal(got.view(U8), want.to(F8).view(U8))       # bytes, -0 included
+    c = torch.arange(MAX_E8M0 + 1)
+    assert torch.equal(scale[:MAX_E8M0 + 1].double(), torch.ldexp(torch.ones(len(c)).double(),
+                                                                  c - 126.0))
 
 
 # ---- L1 -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_l1_matches_quantized_reference(gen, block_n):
+@pytest.mark.parametrize("block_n,swap", [
+    (128, False),
+    (256, False),
+    (128, True),      # weights as the MMA's row operand (the decode form)
+    (256, True),
+])
+def test_l1_matches_quantized_reference(gen, block_n, swap):
     xq, xs, valid = make_pool(gen, BLOCKS, BM, H)
     _, _, w = _weights(gen)
     P = xq.shape[0]
@@ -138,7 +165,8 @@ def test_l1_matches_quantized_reference(gen, block_n):
                      act_s)
     out_q, out_s = l1_fp4w(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
                            w13_packed=args[3], w13_scale=args[4], pool_weight=args[5],
-                           act_q=args[6], act_scale=args[7], block_m=BM, block_n=block_n)
+                           act_q=args[6], act_scale=args[7], block_m=BM, block_n=block_n,
+                           swap=swap)
     assert out_q.data_ptr() == args[6].data_ptr() and out_s.data_ptr() == args[7].data_ptr()
     out_q, out_s = out_q.cpu(), out_s.cpu()
     # padding rows (and the empty block) untouched, every valid element written
@@ -150,7 +178,8 @@ def test_l1_matches_quantized_reference(gen, block_n):
     check_act(out_q, out_s, act, valid)
 
 
-def test_l1_zero_rows_and_spread_exponents(gen):
+@pytest.mark.parametrize("swap", [False, True])
+def test_l1_zero_rows_and_spread_exponents(gen, swap):
     """All-zero activation rows (zero input, zero topk weight) get scale 2**-126 and q = 0;
     weights whose 32-blocks have exponents 36 binades apart and all-zero blocks (E8M0 code 0)
     stay exact (the per-k=32 scaling); expert 2 has no block; I = 128 (one scale group)."""
@@ -164,7 +193,8 @@ def test_l1_zero_rows_and_spread_exponents(gen):
     pool_w[4] = 0.0                                  # row 4: zero topk weight
     args = to_device(DEV, xq, xs, block_meta(blocks), w["w13"], w["w13_scale"], pool_w)
     q, s = l1_fp4w(pool_x_q=args[0], pool_x_scale=args[1], block_meta=args[2],
-                   w13_packed=args[3], w13_scale=args[4], pool_weight=args[5], block_m=BM)
+                   w13_packed=args[3], w13_scale=args[4], pool_weight=args[5], block_m=BM,
+                   swap=swap)
     q, s = q.cpu(), s.cpu()
     assert bool((s[:5] == 2.0 ** -126).all())
     assert bool((q[:5].float() == 0).all())
@@ -173,19 +203,21 @@ def test_l1_zero_rows_and_spread_exponents(gen):
 
 # ---- L2 -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("out_dtype,block_n,spread", [
-    (torch.float32, 128, False),
-    (torch.bfloat16, 64, False),     # bf16 output, BN smaller than an activation group
-    (torch.float32, 256, True),      # exponents 36 binades apart + all-zero blocks in a step
+@pytest.mark.parametrize("out_dtype,block_n,spread,swap", [
+    (torch.float32, 128, False, False),
+    (torch.bfloat16, 64, False, False),   # bf16 output, BN smaller than an activation group
+    (torch.float32, 256, True, False),    # exponents 36 binades apart + all-zero blocks
+    (torch.float32, 128, False, True),    # weights as the MMA's row operand (decode form)
+    (torch.bfloat16, 64, True, True),
 ])
-def test_l2_matches_quantized_reference(gen, out_dtype, block_n, spread):
+def test_l2_matches_quantized_reference(gen, out_dtype, block_n, spread, swap):
     aq, as_, valid = make_pool(gen, BLOCKS, BM, I, scale=0.3)
     _, _, w = _weights(gen, spread=spread)
     P = aq.shape[0]
     y = torch.full((P, H), float("nan"), dtype=out_dtype)           # poison
     args = to_device(DEV, aq, as_, block_meta(BLOCKS), w["w2"], w["w2_scale"], y)
     out = l2_fp4w(act_q=args[0], act_scale=args[1], block_meta=args[2], w2_packed=args[3],
-                  w2_scale=args[4], y=args[5], block_m=BM, block_n=block_n)
+                  w2_scale=args[4], y=args[5], block_m=BM, block_n=block_n, swap=swap)
     assert out.data_ptr() == args[5].data_ptr()
     out = out.cpu()
     assert bool(out[~valid].isnan().all())
@@ -319,6 +351,8 @@ def _misaligned(shape):
     (dict(block_meta=pack_block_meta([0, 1], [BM, 1]).long()), "dtype"),
     (dict(act_q=torch.zeros(P2, I, dtype=torch.bfloat16)), "dtype"),
     (dict(act_scale=torch.ones(P2, I // 128 + 1)), "shape"),
+    (dict(w13_scale=torch.full((E, 2 * I, H // 32), 254, dtype=U8)), "E8M0 codes above 253"),
+    (dict(swap=1), "swap must be a bool"),
 ])
 def test_l1_rejects_bad_inputs(over, match):
     with pytest.raises(ValueError, match=match):
@@ -342,6 +376,8 @@ def test_l1_rejects_bad_inputs(over, match):
     (dict(y=torch.zeros(P2, H, dtype=torch.float16)), "y must be"),
     (dict(y=torch.zeros(P2, H + 1)), "shape"),
     (dict(out_dtype=torch.float16), "out_dtype"),
+    (dict(w2_scale=torch.full((E, H, I // 32), 255, dtype=U8)), "E8M0 codes above 253"),
+    (dict(swap="yes"), "swap must be a bool"),
 ])
 def test_l2_rejects_bad_inputs(over, match):
     with pytest.raises(ValueError, match=match):
@@ -363,9 +399,10 @@ def test_compiles_for_sm90_with_fp8_warpgroup_mma():
     """dsv3 dims (H=7168, I=2048), BN=128, BK=128 (4 x k=32 dots), compiled for sm_90a in a
     fresh process (Triton in compiler mode, as test_sm90_compile.py): the decoded weights feed
     fp8 warpgroup MMAs (SASS QGMMA ... E4M3.E4M3), no bf16/fp16 MMAs, shared memory within an
-    H100/H200 block, L2 at BM=64 without spills. L1 (two accumulators, decode of two weight
-    tiles) spills at both sizes (figures printed, see docs/quantization.md)."""
-    configs = [(128, 8, 3), (64, 8, 4)]
+    H100/H200 block, L2 at BM=64 and both GEMMs in the swapped decode form (BM=16) without
+    spills. L1 (two accumulators, decode of two weight tiles) spills at BM 64 and 128 (figures
+    printed, see docs/quantization.md)."""
+    configs = [(128, 8, 3), (64, 8, 4), (16, 4, 3)]   # BM=16: the swapped (decode) form
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     t0 = time.time()
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], env=env,
@@ -383,6 +420,8 @@ def test_compiles_for_sm90_with_fp8_warpgroup_mma():
         assert r["hgmma"] == 0 and r["hmma"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
     assert by[("l2_fp4w_kernel", 64)]["stack_bytes"] == 0, by[("l2_fp4w_kernel", 64)]
+    for name in ("l1_fp4w_kernel", "l2_fp4w_kernel"):   # the decode form spills nowhere
+        assert by[(name, 16)]["stack_bytes"] == 0, by[(name, 16)]
 
 
 def test_compile_quant_gemms_names_the_formats():

@@ -48,53 +48,121 @@ row blocks).
 """
 from __future__ import annotations
 
-from ._common import tl, triton
+from ._common import INTERPRET, tl, triton
 from .gemm_fp8 import l1_fp8_epilogue, store_pool_rows
 
 ACT_GROUP = tl.constexpr(128)   # K elements per activation scale: the K step
+BK_STEP = ACT_GROUP
 MX_BLOCK = tl.constexpr(32)     # K elements per E8M0 weight scale: one dot
 
 
 # ---- device helpers -------------------------------------------------------------------------
 
-@triton.jit
-def decode_e2m1_to_e4m3(nibbles):
-    """uint8 tensor of e2m1 codes (0..15, sign << 3 | index) -> the same values as fp8 e4m3fn,
-    exactly. index 0 -> 0; 1 (0.5) -> 0x30; index i >= 2 (1, 1.5, 2, 3, 4, 6) -> 0x38 + 4 (i - 2)
-    (e2m1's exponent and mantissa bit land in e4m3's exponent + 6 and top mantissa bit); the
-    sign bit moves from bit 3 to bit 7 (code 8, -0, becomes e4m3's -0)."""
-    idx = nibbles & 7
-    mag = tl.where(idx > 1, idx * 4 + 48, idx * 48)
-    bits = mag | ((nibbles & 8) << 4)
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+# e4m3 holds every e2m1 value times 2**-6 at the same bit positions (shown by the table below,
+# checked for all 16 codes in tests/test_gemm_fp4.py); the kernels give the 2**6 back through
+# the activation scale (exact: a power of two, and an fp8 activation scale is at most 2**120)
+# and e8m0_twice's factor 2 with it: 2**6 / 2 = 32
+DECODE_SHIFT = tl.constexpr(32.0)
+MAX_E8M0 = 253   # the largest E8M0 code e8m0_twice decodes exactly
+ASM = tl.constexpr(not INTERPRET)   # the decode's bit operations in PTX, 4 bytes at a time
+
+_PLACE_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+shl.b32 t0, $2, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+shl.b32 t1, $2, 4;
+and.b32 t1, t1, 0x80808080;
+or.b32 $0, t0, t1;
+shr.b32 t0, $2, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+and.b32 t1, $2, 0x80808080;
+or.b32 $1, t0, t1;
+}""")
 
 
 @triton.jit
-def e8m0_to_fp32(codes):
-    """uint8 E8M0 codes -> 2**(code - 127) in fp32, exactly (code 0: the subnormal 2**-127;
-    255, never written by quant.quantize_weight_mxfp4: NaN)."""
-    c = codes.to(tl.uint32)
-    bits = tl.where(c == 0, 0x00400000, c << 23)
-    bits = tl.where(c == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+def place_e2m1_pairs(p, ASM: tl.constexpr):
+    """Packed e2m1 pairs (uint8, any shape; element 2j in the low nibble of byte j) -> (low,
+    high) as fp8 e4m3 tensors of p's shape holding 2**-6 x the e2m1 values, exactly.
+
+    An e2m1 code ``s e1 e0 m`` lands in e4m3 as ``s 0 0 e1 e0 m 0 0``: for e = e1 e0 >= 1 that
+    is 2**(e - 7) * (1 + m/2) (e4m3's bias is 7, e2m1's 1), i.e. the e2m1 value 2**(e - 1) *
+    (1 + m/2) times 2**-6; for e = 0 it is e4m3's subnormal 2**-6 * (4m / 8) = 2**-6 * (m / 2),
+    again the e2m1 value (0 or 0.5) times 2**-6. So a decode is two shifts and masks per nibble
+    and no table. ASM (GPU only; Triton's interpreter has no PTX): the same bit operations on
+    four packed bytes (eight nibbles) per 32-bit register; bits a shift carries into a
+    neighbouring byte are masked off."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_PLACE_ASM, "=r,=r,r", [p],
+                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        lo = ((p << 2) & 0x1C) | ((p << 4) & 0x80)
+        hi = ((p >> 2) & 0x1C) | (p & 0x80)
+    return (lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True),
+            hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True))
 
 
 @triton.jit
-def load_mx_chunk(w_ptrs_packed):
-    """One 32-element K chunk of BN weight rows: packed [BN, 16] uint8 -> [32, BN] fp8 e4m3
-    (the dot's B operand), element 2j from the low nibble of byte j, 2j+1 from the high."""
-    p = tl.load(w_ptrs_packed)                                # [BN, 16]
-    lo = decode_e2m1_to_e4m3(p & 15)
-    hi = decode_e2m1_to_e4m3(p >> 4)
+def e8m0_twice(words, j: tl.constexpr):
+    """Byte j (0..3) of uint32 words of E8M0 codes c -> 2 * 2**(c - 127) = 2**(c - 126) in fp32:
+    the code plus one as the exponent field, one add and a shift, no special cases. Exact for
+    c <= 253 (code 0 becomes the normal 2**-126); 254 gives inf and 255 -0.0, so the launchers
+    reject codes above MAX_E8M0 (the quantizer writes at most 252 for finite weights). The
+    kernels take the factor 2 back with the activation scale (``DECODE_SHIFT``)."""
+    return ((((words >> (8 * j)) & 255) + 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_dot(a_ptrs, w_ptrs_packed, j: tl.constexpr, SWAP: tl.constexpr):
+    """fp32 dot of K chunk j (32 elements) of a 128-K step: activations [BM, 32] fp8 at
+    a_ptrs + 32 j, weights packed [BN, 16] uint8 at w_ptrs_packed + 16 j, decoded to 2**-6 x
+    their values (``place_e2m1_pairs``). [BM, BN], or with SWAP [BN, BM]: the weights as the
+    MMA's row operand, so a few token rows cost an N = BM MMA instead of BM >= 64 rows."""
+    a = tl.load(a_ptrs + j * MX_BLOCK)
+    p = tl.load(w_ptrs_packed + j * (MX_BLOCK // 2))                  # [BN, 16]
+    lo, hi = place_e2m1_pairs(p, ASM)
     BN: tl.constexpr = p.shape[0]
-    return tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]))
+    w = tl.reshape(tl.join(lo, hi), [BN, MX_BLOCK])
+    if SWAP:
+        d = tl.dot(w, tl.trans(a))
+    else:
+        d = tl.dot(a, tl.trans(w))
+    return d
 
 
 @triton.jit
-def mx_scale(words, j: tl.constexpr):
-    """The scale of chunk j (0..3) of a 128-K step from its four E8M0 codes loaded as one
-    little-endian uint32 per weight row ([BN] uint32) -> [BN] fp32."""
-    return e8m0_to_fp32((words >> (8 * j)) & 255)
+def mx_scale(words, j: tl.constexpr, SWAP: tl.constexpr):
+    """Chunk j's weight scales (x 2, ``e8m0_twice``) from a row's four E8M0 codes of a 128-K
+    step, one little-endian uint32 per weight row ([BN]), shaped to scale ``mx_dot``'s result:
+    [1, BN], or [BN, 1] with SWAP."""
+    s = e8m0_twice(words, j)
+    if SWAP:
+        s2 = s[:, None]
+    else:
+        s2 = s[None, :]
+    return s2
+
+
+@triton.jit
+def mx_step(a_ptrs, w_ptrs_packed, words, SWAP: tl.constexpr):
+    """One 128-K step without the activation scale: the sum over its four k=32 chunks of
+    dot_j x 2 * 2**e_w[:, j] ([BM, BN] fp32, or [BN, BM] with SWAP)."""
+    blk = mx_dot(a_ptrs, w_ptrs_packed, 0, SWAP) * mx_scale(words, 0, SWAP)
+    for j in tl.static_range(1, BK_STEP // MX_BLOCK):
+        blk += mx_dot(a_ptrs, w_ptrs_packed, j, SWAP) * mx_scale(words, j, SWAP)
+    return blk
+
+
+@triton.jit
+def act_scale_of(xs_ptrs, SWAP: tl.constexpr):
+    """A step's activation scales ([BM] fp32 at xs_ptrs) times DECODE_SHIFT, shaped for the
+    step's result: [BM, 1], or [1, BM] with SWAP."""
+    xs = tl.load(xs_ptrs) * DECODE_SHIFT
+    if SWAP:
+        xs2 = xs[None, :]
+    else:
+        xs2 = xs[:, None]
+    return xs2
 
 
 # ---- L1 -------------------------------------------------------------------------------------
@@ -103,7 +171,7 @@ def mx_scale(words, j: tl.constexpr):
 def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                   X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  FIX_ROUNDING: tl.constexpr):
+                  FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr = False):
     """One L1 block (m_block, n_block): gate and up (four k=32 dots per 128-K step, each with
     its per-column MXFP4 scale), SwiGLU x topk weight, fp8 re-quantization of its BN columns
     (BN/128 scale groups per row). Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE,
@@ -123,21 +191,21 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
     # a 128-K step's four E8M0 codes are 4 consecutive bytes of a row: one uint32 per row
     sg_ptrs = w13_s.to(tl.pointer_type(tl.uint32)) + wrow * HW                   # [BN]
     su_ptrs = sg_ptrs + I * HW
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for ks in range(KS):
-        xs = tl.load(xs_ptrs + ks)
-        sg_words = tl.load(sg_ptrs + ks)
-        su_words = tl.load(su_ptrs + ks)
-        for j in tl.static_range(BK // MX_BLOCK):
-            a = tl.load(a_ptrs)
-            g = load_mx_chunk(wg_ptrs)
-            u = load_mx_chunk(wu_ptrs)
-            acc_g += tl.dot(a, g) * (xs[:, None] * mx_scale(sg_words, j)[None, :])
-            acc_u += tl.dot(a, u) * (xs[:, None] * mx_scale(su_words, j)[None, :])
-            a_ptrs += MX_BLOCK
-            wg_ptrs += MX_BLOCK // 2
-            wu_ptrs += MX_BLOCK // 2
+        xs = act_scale_of(xs_ptrs + ks, SWAP)
+        acc_g += mx_step(a_ptrs, wg_ptrs, tl.load(sg_ptrs + ks), SWAP) * xs
+        acc_u += mx_step(a_ptrs, wu_ptrs, tl.load(su_ptrs + ks), SWAP) * xs
+        a_ptrs += BK
+        wg_ptrs += BK // 2
+        wu_ptrs += BK // 2
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
                     BM, BN, FIX_ROUNDING)
 
@@ -146,7 +214,7 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
 def l1_fp4w_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale, H, I,
                    X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   FIX_ROUNDING: tl.constexpr):
+                   FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
     nb = tl.program_id(0)
     mb = tl.program_id(1)
     meta = tl.load(block_meta + mb)
@@ -154,14 +222,14 @@ def l1_fp4w_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scal
     if vm > 0:
         l1_fp4w_block(mb, nb, meta >> 9, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
                       act_scale, H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK,
-                      FIX_ROUNDING)
+                      FIX_ROUNDING, SWAP)
 
 
 # ---- L2 -------------------------------------------------------------------------------------
 
 @triton.jit
 def l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False):
     """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block: four k=32 dots per
     128-K step. Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as
     ``gemm_fp8.l2_fp8_acc``); BK must be 128."""
@@ -175,38 +243,39 @@ def l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE
     as_ptrs = act_scale + rows * AS_STRIDE
     w_ptrs = w2 + wrow[:, None] * IB + tl.arange(0, MX_BLOCK // 2)[None, :]
     s_ptrs = w2_s.to(tl.pointer_type(tl.uint32)) + wrow * IW
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     for ks in range(KS):
-        xs = tl.load(as_ptrs + ks)
-        s_words = tl.load(s_ptrs + ks)
-        for j in tl.static_range(BK // MX_BLOCK):
-            a = tl.load(a_ptrs)
-            w = load_mx_chunk(w_ptrs)
-            acc += tl.dot(a, w) * (xs[:, None] * mx_scale(s_words, j)[None, :])
-            a_ptrs += MX_BLOCK
-            w_ptrs += MX_BLOCK // 2
+        acc += mx_step(a_ptrs, w_ptrs, tl.load(s_ptrs + ks), SWAP) * act_scale_of(as_ptrs + ks,
+                                                                                   SWAP)
+        a_ptrs += BK
+        w_ptrs += BK // 2
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
 @triton.jit
 def l2_fp4w_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I, A_STRIDE, AS_STRIDE,
                   Y_STRIDE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr = False):
     """One L2 block (m_block, n_block): y rows (row stride Y_STRIDE) = act @ w2^T, rows past
     valid_m not stored."""
     acc = l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                      BM, BN, BK)
+                      BM, BN, BK, SWAP)
     store_pool_rows(acc, mb, nb, vm, y, Y_STRIDE, BM, BN, OUT_BF16, FIX_ROUNDING)
 
 
 @triton.jit
 def l2_fp4w_kernel(act_q, act_scale, w2, w2_s, block_meta, y, H, I, A_STRIDE, AS_STRIDE,
                    Y_STRIDE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
+                   OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
     nb = tl.program_id(0)
     mb = tl.program_id(1)
     meta = tl.load(block_meta + mb)
     vm = meta & 511
     if vm > 0:
         l2_fp4w_block(mb, nb, meta >> 9, vm, act_q, act_scale, w2, w2_s, y, H, I, A_STRIDE,
-                      AS_STRIDE, Y_STRIDE, BM, BN, BK, OUT_BF16, FIX_ROUNDING)
+                      AS_STRIDE, Y_STRIDE, BM, BN, BK, OUT_BF16, FIX_ROUNDING, SWAP)
