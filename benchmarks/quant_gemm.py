@@ -5,10 +5,9 @@ median of 20), one JSON row per (shape, format, kernel, tokens per expert).
     PYTHONPATH=. python3 benchmarks/quant_gemm.py --out rows.jsonl [--shapes dsv3,qwen3]
 
 Pool: E experts of ``--experts`` (32 by default, as ``moestream bench --virtual-ranks``), M tokens
-each, blocks of 128 rows for fp8. fp4w runs each of ``--fp4w-configs``
-(block_m:warps:stages:swap; swap = weights as the MMA's row operand, the decode form, run only
-where M <= 128; the default's 64-row unswapped blocks because L1 spills at 128:
-docs/quantization.md).
+each, blocks of 128 rows for fp8. fp4w runs each of ``--fp4w-configs`` (block_m:warps:stages;
+by default 64-row blocks, as L1 spills at 128 (docs/quantization.md), and 16-row blocks, the
+decode size, only where M <= 128).
 Weight bytes: fp8 1 B per weight (+ 128x128 block scales), fp4w 0.5 B (+ one byte per 32).
 """
 from __future__ import annotations
@@ -31,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="dsv3,qwen3")
     p.add_argument("--tokens-per-expert", default="16,128,2048")
     p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--fp4w-configs", default="64:8:4:0,16:4:3:1,32:4:3:1")
+    p.add_argument("--fp4w-configs", default="64:8:4,16:4:3,16:8:3")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: Triton's interpreter (a dry run)")
     args = p.parse_args(argv)
@@ -47,9 +46,9 @@ def main(argv=None) -> int:
         w13 = w2 = None
         fp4w_cfgs = [tuple(int(v) for v in c.split(":")) for c in args.fp4w_configs.split(",")]
         for M in (int(m) for m in args.tokens_per_expert.split(",")):
-            runs = [("fp8", 128, 8, None, False)] + [
-                ("fp4w", bm, w, st, bool(sw)) for bm, w, st, sw in fp4w_cfgs if M <= 128 or not sw]
-            for fmt, bm, warps, stages, swap in runs:
+            runs = [("fp8", 128, 8, None)] + [
+                ("fp4w", bm, w, st) for bm, w, st in fp4w_cfgs if M <= 128 or bm >= 64]
+            for fmt, bm, warps, stages in runs:
                 for kernel in ("l1", "l2"):
                     nblk = E * -(-M // bm)
                     meta = pack_block_meta([e for e in range(E) for _ in range(-(-M // bm))],
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
                         fn = lambda: l1_fp4w(pool_x_q=xq, pool_x_scale=xs, block_meta=meta,
                                              w13_packed=q4["w13"], w13_scale=q4["w13_scale"],
                                              pool_weight=pw, block_m=bm, num_warps=warps,
-                                             num_stages=stages, swap=swap, validate=False)
+                                             num_stages=stages, validate=False)
                     elif fmt == "fp8":
                         fn = lambda: l2_fp8(act_q=xq, act_scale=xs, block_meta=meta,
                                             w2_q=q8["w2"], w2_scale_inv=q8["w2_scale_inv"],
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
                         fn = lambda: l2_fp4w(act_q=xq, act_scale=xs, block_meta=meta,
                                              w2_packed=q4["w2"], w2_scale=q4["w2_scale"],
                                              block_m=bm, num_warps=warps, num_stages=stages,
-                                             swap=swap, validate=False)
+                                             validate=False)
                     t = time_cuda(fn, warmup=5, reps=20)
                     n_w = E * (2 * I * H if kernel == "l1" else H * I)
                     wbytes = n_w * (1.0 if fmt == "fp8" else 0.5 + 1 / 32)
@@ -86,11 +85,11 @@ def main(argv=None) -> int:
                     us = t["median_us"]
                     row = dict(shape=shape, format=fmt, kernel=kernel, tokens_per_expert=M,
                                experts=E, block_m=bm, num_warps=warps, num_stages=stages,
-                               swap=swap, median_us=us,
+                               median_us=us,
                                weight_tbps=wbytes / us / 1e6, tflops=flops / us / 1e6,
                                weight_floor_us=wbytes / (DEFAULT_CALIB["weights_tbps"] * 1e6))
                     rows.append(row)
-                    print(f"{shape} M={M:5d} {fmt:5s} bm{bm} {warps}w{stages}s swap={swap:d} "
+                    print(f"{shape} M={M:5d} {fmt:5s} bm{bm} {warps}w{stages}s "
                           f"{kernel}: {us:8.1f} us "
                           f"{row['weight_tbps']:.2f} TB/s {row['tflops']:.0f} TFLOP/s "
                           f"(weight floor {row['weight_floor_us']:.0f} us)", flush=True)

@@ -60,14 +60,6 @@ def _check_codes(name, scales, validate):
                          f"most 252 for finite weights")
 
 
-def _swap(swap, block_m):
-    if swap is None:
-        return block_m <= 32
-    if not isinstance(swap, bool):
-        raise ValueError(f"swap must be a bool or None, got {swap!r}")
-    return swap
-
-
 def _check_hi(H, I):
     if H % FP8_BLOCK or I % FP8_BLOCK or H <= 0 or I <= 0:
         raise ValueError(f"H and I must be positive multiples of {FP8_BLOCK} (one activation "
@@ -78,7 +70,7 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
             w13_packed: torch.Tensor, w13_scale: torch.Tensor, pool_weight: torch.Tensor,
             block_m: int, block_n: int = 128, act_q: torch.Tensor | None = None,
             act_scale: torch.Tensor | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, swap: bool | None = None, validate: bool = True
+            num_stages: int | None = None, validate: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """L1 of the pool, MXFP4 weights: ``act = silu(x @ gate^T) * (x @ up^T) * pool_weight``,
     re-quantized to fp8 per row per 128 columns (as ``quant.quantize_act_fp8``).
@@ -96,9 +88,6 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
         act_q [P, I] fp8 / act_scale [P, I/128] fp32: written in place when given (rows may be
             strided; rows past each block's valid_m and blocks with valid_m 0 are left as they
             are), else allocated with torch.empty.
-        swap: compute each block as weights @ rows^T (the weight tile as the MMA's row
-            operand, the block's rows as its N), the decode-sized form; None: when
-            block_m <= 32.
         validate: check block_meta's values and that the E8M0 codes are at most 253 (the
             quantizer writes at most 252) on the host (device synchronisations).
 
@@ -124,7 +113,6 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
     _tensor("w13_scale", w13_scale, dtype=_U8, shape=(E, 2 * I, H // MXFP4_BLOCK), device=dev)
     _word_aligned("w13_scale", w13_scale)
     _check_codes("w13_scale", w13_scale, validate)
-    swap = _swap(swap, block_m)
     _tensor("pool_weight", pool_weight, dtype=torch.float32, shape=(P,), device=dev)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
     act_q, act_scale = _act_out(act_q, act_scale, P, I, dev)
@@ -135,7 +123,7 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
         l1_fp4w_kernel[(I // block_n, nblk)](
             pool_x_q, pool_x_scale, w13_packed, w13_scale, pool_weight, block_meta, act_q,
             act_scale, H, I, x_stride, xs_stride, a_stride, as_stride, BM=block_m, BN=block_n,
-            BK=ACT_GROUP.value, FIX_ROUNDING=INTERPRET, SWAP=swap,
+            BK=ACT_GROUP.value, FIX_ROUNDING=INTERPRET,
             **_launch_kw(num_warps, num_stages))
     return act_q, act_scale
 
@@ -144,7 +132,7 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
             w2_packed: torch.Tensor, w2_scale: torch.Tensor, block_m: int, block_n: int = 128,
             y: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
             num_warps: int | None = None, num_stages: int | None = None,
-            swap: bool | None = None, validate: bool = True) -> torch.Tensor:
+            validate: bool = True) -> torch.Tensor:
     """L2 of the pool, MXFP4 weights: ``y = act @ w2^T`` (fp32 accumulation).
 
     Args (shapes: moestream/kernels/gemm_fp4.py legend; P = len(block_meta) * block_m; H and I
@@ -157,7 +145,6 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
         block_m: a power of two in [16, 256]. block_n: a power of two in [16, 256] dividing H.
         y [P, H] bf16 or fp32: written in place when given (only valid rows; rows may be
             strided), else allocated (torch.empty) with ``out_dtype``.
-        swap: as ``l1_fp4w``.
         validate: check block_meta's values and the E8M0 codes (at most 253) on the host.
 
     Returns:
@@ -182,7 +169,6 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
     _tensor("w2_scale", w2_scale, dtype=_U8, shape=(E, H, I // MXFP4_BLOCK), device=dev)
     _word_aligned("w2_scale", w2_scale)
     _check_codes("w2_scale", w2_scale, validate)
-    swap = _swap(swap, block_m)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
     y = _y_out(y, out_dtype, P, H, dev)
     y_stride = _rows("y", y, dtype=y.dtype, shape=(P, H), device=dev)
@@ -190,7 +176,7 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
         l2_fp4w_kernel[(H // block_n, nblk)](
             act_q, act_scale, w2_packed, w2_scale, block_meta, y, H, I, a_stride, as_stride,
             y_stride, BM=block_m, BN=block_n, BK=ACT_GROUP.value,
-            OUT_BF16=y.dtype == torch.bfloat16, FIX_ROUNDING=INTERPRET, SWAP=swap,
+            OUT_BF16=y.dtype == torch.bfloat16, FIX_ROUNDING=INTERPRET,
             **_launch_kw(num_warps, num_stages))
     return y
 

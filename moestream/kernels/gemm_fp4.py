@@ -113,56 +113,39 @@ def e8m0_twice(words, j: tl.constexpr):
 
 
 @triton.jit
-def mx_dot(a_ptrs, w_ptrs_packed, j: tl.constexpr, SWAP: tl.constexpr):
-    """fp32 dot of K chunk j (32 elements) of a 128-K step: activations [BM, 32] fp8 at
-    a_ptrs + 32 j, weights packed [BN, 16] uint8 at w_ptrs_packed + 16 j, decoded to 2**-6 x
-    their values (``place_e2m1_pairs``). [BM, BN], or with SWAP [BN, BM]: the weights as the
-    MMA's row operand, so a few token rows cost an N = BM MMA instead of BM >= 64 rows."""
+def mx_dot(a_ptrs, w_ptrs_packed, j: tl.constexpr):
+    """fp32 [BM, BN] dot of K chunk j (32 elements) of a 128-K step: activations [BM, 32] fp8
+    at a_ptrs + 32 j, weights packed [BN, 16] uint8 at w_ptrs_packed + 16 j, decoded to 2**-6 x
+    their values (``place_e2m1_pairs``)."""
     a = tl.load(a_ptrs + j * MX_BLOCK)
     p = tl.load(w_ptrs_packed + j * (MX_BLOCK // 2))                  # [BN, 16]
     lo, hi = place_e2m1_pairs(p, ASM)
     BN: tl.constexpr = p.shape[0]
-    w = tl.reshape(tl.join(lo, hi), [BN, MX_BLOCK])
-    if SWAP:
-        d = tl.dot(w, tl.trans(a))
-    else:
-        d = tl.dot(a, tl.trans(w))
-    return d
+    return tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), [BN, MX_BLOCK])))
 
 
 @triton.jit
-def mx_scale(words, j: tl.constexpr, SWAP: tl.constexpr):
+def mx_scale(words, j: tl.constexpr):
     """Chunk j's weight scales (x 2, ``e8m0_twice``) from a row's four E8M0 codes of a 128-K
-    step, one little-endian uint32 per weight row ([BN]), shaped to scale ``mx_dot``'s result:
-    [1, BN], or [BN, 1] with SWAP."""
-    s = e8m0_twice(words, j)
-    if SWAP:
-        s2 = s[:, None]
-    else:
-        s2 = s[None, :]
-    return s2
+    step, one little-endian uint32 per weight row ([BN]) -> [1, BN] fp32."""
+    return e8m0_twice(words, j)[None, :]
 
 
 @triton.jit
-def mx_step(a_ptrs, w_ptrs_packed, words, SWAP: tl.constexpr):
+def mx_step(a_ptrs, w_ptrs_packed, words):
     """One 128-K step without the activation scale: the sum over its four k=32 chunks of
-    dot_j x 2 * 2**e_w[:, j] ([BM, BN] fp32, or [BN, BM] with SWAP)."""
-    blk = mx_dot(a_ptrs, w_ptrs_packed, 0, SWAP) * mx_scale(words, 0, SWAP)
+    dot_j x 2 * 2**e_w[:, j] ([BM, BN] fp32). Triton waits for each dot before its scaling
+    (a fresh fp32 result, not a chained accumulator), so the chunks run one after another."""
+    blk = mx_dot(a_ptrs, w_ptrs_packed, 0) * mx_scale(words, 0)
     for j in tl.static_range(1, BK_STEP // MX_BLOCK):
-        blk += mx_dot(a_ptrs, w_ptrs_packed, j, SWAP) * mx_scale(words, j, SWAP)
+        blk += mx_dot(a_ptrs, w_ptrs_packed, j) * mx_scale(words, j)
     return blk
 
 
 @triton.jit
-def act_scale_of(xs_ptrs, SWAP: tl.constexpr):
-    """A step's activation scales ([BM] fp32 at xs_ptrs) times DECODE_SHIFT, shaped for the
-    step's result: [BM, 1], or [1, BM] with SWAP."""
-    xs = tl.load(xs_ptrs) * DECODE_SHIFT
-    if SWAP:
-        xs2 = xs[None, :]
-    else:
-        xs2 = xs[:, None]
-    return xs2
+def act_scale_of(xs_ptrs):
+    """A step's activation scales ([BM] fp32 at xs_ptrs) times DECODE_SHIFT -> [BM, 1]."""
+    return (tl.load(xs_ptrs) * DECODE_SHIFT)[:, None]
 
 
 # ---- L1 -------------------------------------------------------------------------------------
@@ -171,7 +154,7 @@ def act_scale_of(xs_ptrs, SWAP: tl.constexpr):
 def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                   X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr = False):
+                  FIX_ROUNDING: tl.constexpr):
     """One L1 block (m_block, n_block): gate and up (four k=32 dots per 128-K step, each with
     its per-column MXFP4 scale), SwiGLU x topk weight, fp8 re-quantization of its BN columns
     (BN/128 scale groups per row). Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE,
@@ -191,21 +174,15 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
     # a 128-K step's four E8M0 codes are 4 consecutive bytes of a row: one uint32 per row
     sg_ptrs = w13_s.to(tl.pointer_type(tl.uint32)) + wrow * HW                   # [BN]
     su_ptrs = sg_ptrs + I * HW
-    if SWAP:
-        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros_like(acc_g)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for ks in range(KS):
-        xs = act_scale_of(xs_ptrs + ks, SWAP)
-        acc_g += mx_step(a_ptrs, wg_ptrs, tl.load(sg_ptrs + ks), SWAP) * xs
-        acc_u += mx_step(a_ptrs, wu_ptrs, tl.load(su_ptrs + ks), SWAP) * xs
+        xs = act_scale_of(xs_ptrs + ks)
+        acc_g += mx_step(a_ptrs, wg_ptrs, tl.load(sg_ptrs + ks)) * xs
+        acc_u += mx_step(a_ptrs, wu_ptrs, tl.load(su_ptrs + ks)) * xs
         a_ptrs += BK
         wg_ptrs += BK // 2
         wu_ptrs += BK // 2
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
     l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
                     BM, BN, FIX_ROUNDING)
 
@@ -214,7 +191,7 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
 def l1_fp4w_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scale, H, I,
                    X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
+                   FIX_ROUNDING: tl.constexpr):
     nb = tl.program_id(0)
     mb = tl.program_id(1)
     meta = tl.load(block_meta + mb)
@@ -222,14 +199,14 @@ def l1_fp4w_kernel(x_q, x_scale, w13, w13_s, pool_w, block_meta, act_q, act_scal
     if vm > 0:
         l1_fp4w_block(mb, nb, meta >> 9, vm, x_q, x_scale, w13, w13_s, pool_w, act_q,
                       act_scale, H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK,
-                      FIX_ROUNDING, SWAP)
+                      FIX_ROUNDING)
 
 
 # ---- L2 -------------------------------------------------------------------------------------
 
 @triton.jit
 def l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block: four k=32 dots per
     128-K step. Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as
     ``gemm_fp8.l2_fp8_acc``); BK must be 128."""
@@ -243,39 +220,33 @@ def l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE
     as_ptrs = act_scale + rows * AS_STRIDE
     w_ptrs = w2 + wrow[:, None] * IB + tl.arange(0, MX_BLOCK // 2)[None, :]
     s_ptrs = w2_s.to(tl.pointer_type(tl.uint32)) + wrow * IW
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     for ks in range(KS):
-        acc += mx_step(a_ptrs, w_ptrs, tl.load(s_ptrs + ks), SWAP) * act_scale_of(as_ptrs + ks,
-                                                                                   SWAP)
+        acc += mx_step(a_ptrs, w_ptrs, tl.load(s_ptrs + ks)) * act_scale_of(as_ptrs + ks)
         a_ptrs += BK
         w_ptrs += BK // 2
-    if SWAP:
-        acc = tl.trans(acc)
     return acc
 
 
 @triton.jit
 def l2_fp4w_block(mb, nb, e, vm, act_q, act_scale, w2, w2_s, y, H, I, A_STRIDE, AS_STRIDE,
                   Y_STRIDE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr = False):
+                  OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
     """One L2 block (m_block, n_block): y rows (row stride Y_STRIDE) = act @ w2^T, rows past
     valid_m not stored."""
     acc = l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
-                      BM, BN, BK, SWAP)
+                      BM, BN, BK)
     store_pool_rows(acc, mb, nb, vm, y, Y_STRIDE, BM, BN, OUT_BF16, FIX_ROUNDING)
 
 
 @triton.jit
 def l2_fp4w_kernel(act_q, act_scale, w2, w2_s, block_meta, y, H, I, A_STRIDE, AS_STRIDE,
                    Y_STRIDE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
+                   OUT_BF16: tl.constexpr, FIX_ROUNDING: tl.constexpr):
     nb = tl.program_id(0)
     mb = tl.program_id(1)
     meta = tl.load(block_meta + mb)
     vm = meta & 511
     if vm > 0:
         l2_fp4w_block(mb, nb, meta >> 9, vm, act_q, act_scale, w2, w2_s, y, H, I, A_STRIDE,
-                      AS_STRIDE, Y_STRIDE, BM, BN, BK, OUT_BF16, FIX_ROUNDING, SWAP)
+                      AS_STRIDE, Y_STRIDE, BM, BN, BK, OUT_BF16, FIX_ROUNDING)
