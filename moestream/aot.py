@@ -200,6 +200,16 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
         label[0] = " fp8 decode"
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
+        # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces
+        cfg4 = cfg.with_(dtype="fp4w")
+        buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")
+        w13s, w2s = _tiny_weights(cfg4, 1)
+        args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
+        tuning4 = stages.Tuning.hopper(cfg.block_m, "fp4w")
+        label[0] = " fp4w"
+        stages.run_staged(*args, tuning=tuning4)
+        label[0] = " fp4w decode"
+        stages.run_staged(*args, tuning=tuning4.decode(16, cfg4))
         label[0] = ""
     return _facts(compiled)
 
@@ -210,6 +220,12 @@ def _tiny_weights(cfg, ranks):
     import torch
     e_loc = cfg.experts_per_rank(ranks)
     H, I = cfg.hidden, cfg.intermediate
+    if cfg.dtype == "fp4w":   # zero E8M0 codes: the layer's code check reads them
+        u8 = torch.uint8
+        w13 = (torch.empty(e_loc, 2 * I, H // 2, dtype=u8), torch.zeros(e_loc, 2 * I, H // 32,
+                                                                        dtype=u8))
+        w2 = (torch.empty(e_loc, H, I // 2, dtype=u8), torch.zeros(e_loc, H, I // 32, dtype=u8))
+        return [w13] * ranks, [w2] * ranks
     if cfg.dtype == "fp8":
         fp8 = torch.float8_e4m3fn
         w13 = (torch.empty(e_loc, 2 * I, H, dtype=fp8), torch.empty(e_loc, 2 * I // 128, H // 128))

@@ -39,10 +39,12 @@ DEFAULT_CALIB: dict[str, float] = {
 
 # Bytes per element: of a weight, of a dispatched activation, of a combined output row.
 # fp8 (DeepSeek-V3 style) adds an fp32 scale per 128x128 weight block and per 128 activation
-# channels; the combine stays bf16.
+# channels; the combine stays bf16. fp4w: MXFP4 weights with the fp8 tokens.
 _BYTES: dict[str, dict[str, float]] = {
     "bf16": dict(weight=2.0, dispatch=2.0, combine=2.0),
     "fp8": dict(weight=1.0 + 4.0 / (128 * 128), dispatch=1.0 + 4.0 / 128, combine=2.0),
+    # fp4w: MXFP4 weights (half a byte + one E8M0 byte per 32), the fp8 tokens; fp8 rate
+    "fp4w": dict(weight=0.5 + 1.0 / 32, dispatch=1.0 + 4.0 / 128, combine=2.0),
 }
 FLOOR_DTYPES = tuple(_BYTES)
 
@@ -206,8 +208,8 @@ def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_
         touched_experts: local experts whose weights are read; default
             ``expected_touched_experts`` (the expectation under uniform routing). Pass the
             count of a measured routing to get that run's floor.
-        dtype: "bf16" or "fp8" (fp8 weights and dispatch with fp32 block scales, bf16
-            combine, fp8 dense rate).
+        dtype: "bf16", "fp8" (fp8 weights and dispatch with fp32 block scales, bf16
+            combine, fp8 dense rate) or "fp4w" (MXFP4 weights, the fp8 dispatch and rate).
         calib: rates: bf16_tflops, fp8_tflops, weights_tbps, link_gbps (DEFAULT_CALIB).
 
     Returns:
@@ -237,7 +239,8 @@ def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_
     T = tokens_per_rank
     b = _BYTES[dtype]
     # Uniform routing: a rank computes as many (token, k) pairs as it owns, T*K.
-    compute_us = 6.0 * T * K * H * I / (calib[f"{dtype}_tflops"] * 1e12) * 1e6
+    rate = calib["bf16_tflops" if dtype == "bf16" else "fp8_tflops"]   # fp4w: fp8 MMAs
+    compute_us = 6.0 * T * K * H * I / (rate * 1e12) * 1e6
     weights_us = touched_experts * 3.0 * H * I * b["weight"] / (calib["weights_tbps"] * 1e12) * 1e6
     remote_pairs = T * K * (ranks - 1) / ranks
     link_us = remote_pairs * H * (b["dispatch"] + b["combine"]) / (calib["link_gbps"] * 1e9) * 1e6

@@ -20,6 +20,12 @@ Providers, measured in the same run on the same inputs:
                   torch's bf16 output is judged against the fp8 quantization error
                   (docs/quantization.md: ~6e-2 on random data; FP8_AGREE).
     fp8-fused-graph  the fp8 layer in the fused launch, replayed from CUDA graphs.
+    fp4w-staged, fp4w-staged-graph
+                  ours with MXFP4 weights (MoEConfig dtype "fp4w": the fp8 tokens, weights
+                  quantized from the same bf16 experts to e2m1 + E8M0 per 32); rows carry dtype
+                  "fp4w" and agree with torch's bf16 output within the MXFP4 quantization error
+                  (docs/quantization.md: ~0.2 on random data; FP4W_AGREE). Staged only; the
+                  -stages and -tuned-graph forms exist for it as for fp8.
     staged-tuned-graph, fp8-staged-tuned-graph
                   staged-graph / fp8-staged-graph with ``stages.Tuning`` fields overridden
                   (``tuning=``, CLI ``--tuning pdl=true,l1_block_n=128``) on top of each
@@ -55,14 +61,21 @@ __all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "graph_stage_times"
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
              "fp8-staged-stages", "staged-graph-stages", "fp8-staged-graph-stages",
-             "staged-tuned-graph", "fp8-staged-tuned-graph")
+             "staged-tuned-graph", "fp8-staged-tuned-graph", "fp4w-staged", "fp4w-staged-graph",
+             "fp4w-staged-stages", "fp4w-staged-graph-stages", "fp4w-staged-tuned-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
+# fp4w (MXFP4 weights, fp8 tokens) vs torch's bf16 layer: ~0.2 on random data
+# (docs/quantization.md); a scale off by 2 gives ~1
+FP4W_AGREE = 0.35
 
 
 def _dtype(provider: str) -> str:
-    return "fp8" if provider.startswith("fp8-") else "bf16"
+    for fmt in ("fp8", "fp4w"):
+        if provider.startswith(fmt + "-"):
+            return fmt
+    return "bf16"
 
 
 def _granularity(provider: str) -> int | str | None:
@@ -330,17 +343,22 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             w13, w2 = data[0][:2]
             ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
-            buf8 = w8 = None
-            if any(_dtype(p) == "fp8" for p in providers):
-                buf8 = SymmBuffer(cfg.with_(dtype="fp8"), group=dist.group.WORLD)
-                (w13q,), (w2q,) = quantize_weights([w13], [w2])
-                w8 = (w13q, w2q)
+            qbuf = {}   # fp8 / fp4w asked for: (buffer, (w13 pair, w2 pair))
+            for fmt in ("fp8", "fp4w"):
+                if any(_dtype(p) == fmt for p in providers):
+                    (w13q,), (w2q,) = quantize_weights([w13], [w2], fmt=fmt)
+                    qbuf[fmt] = (SymmBuffer(cfg.with_(dtype=fmt), group=dist.group.WORLD),
+                                 (w13q, w2q))
+            none = (None, (None, None))
             for _, _, T, sets in data:
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
                                               granularity=granularity)
-                def ours8(impl):
-                    return lambda a: mega_moe(a[0], a[1], a[2], w8[0], w8[1], buf8, impl=impl)
+                def ourq(fmt, impl):
+                    def call(a):
+                        b, (q13, q2) = qbuf[fmt]
+                        return mega_moe(a[0], a[1], a[2], q13, q2, b, impl=impl)
+                    return call
 
                 def tuned(b, ws):
                     def call(a):
@@ -350,9 +368,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
                     "fused": ours("fused"), "fused-graph": ours("fused"),
-                    "fp8-staged": ours8("staged"), "fp8-staged-graph": ours8("staged"),
-                    "fp8-fused-graph": ours8("fused"), "staged-tuned-graph": tuned(buf, (w13, w2)),
-                    "fp8-staged-tuned-graph": tuned(buf8, w8 or (None, None)),
+                    "fp8-staged": ourq("fp8", "staged"), "fp8-staged-graph": ourq("fp8", "staged"),
+                    "fp8-fused-graph": ourq("fp8", "fused"),
+                    "fp4w-staged": ourq("fp4w", "staged"),
+                    "fp4w-staged-graph": ourq("fp4w", "staged"),
+                    "staged-tuned-graph": tuned(buf, (w13, w2)),
+                    "fp8-staged-tuned-graph": tuned(*qbuf.get("fp8", none)),
+                    "fp4w-staged-tuned-graph": tuned(*qbuf.get("fp4w", none)),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }
@@ -360,7 +382,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     if _granularity(p) is not None:
                         calls[p] = ours("fused", _granularity(p))
                     if _stagewise(p):   # stages.run_staged with an on_stage hook
-                        b, ws = (buf8, w8) if _dtype(p) == "fp8" else (buf, (w13, w2))
+                        b, ws = qbuf[_dtype(p)] if _dtype(p) != "bf16" else (buf, (w13, w2))
                         calls[p] = (lambda a, mark=None, b=b, ws=ws: _staged_call(
                             b, a, ws, mark))
                 # agreement check on the first input set before timing anything; the first
@@ -387,7 +409,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     for p in providers:
                         if p != "torch" and T:
                             agree[p] = rel_error(outs[p], outs["torch"])
-                for b in (buf, buf8):
+                for b in (buf, *(q[0] for q in qbuf.values())):
                     if b is not None:
                         b.check()
                 for p in providers:
@@ -402,7 +424,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                                                   rotate=rotate))
                     if rank == 0:
                         err = agree.get(p)
-                        bound = FP8_AGREE if _dtype(p) == "fp8" else 2 * TOLERANCE["bf16"]
+                        bound = {"fp8": FP8_AGREE, "fp4w": FP4W_AGREE}.get(
+                            _dtype(p), 2 * TOLERANCE["bf16"])
                         rows.append(result_row(
                             shape=shape, ranks=world, tokens_per_rank=T, dtype=_dtype(p),
                             provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
@@ -416,16 +439,16 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                         progress.console.print(
                             f"{shape} T={T} {p}: {stats['median_us']:.1f} us"
                             + ("" if err is None else f" (rel diff vs torch {err:.1e})"))
-                for b in (buf, buf8):
+                for b in (buf, *(q[0] for q in qbuf.values())):
                     if b is not None:
                         b.check()
                 graphs = None   # free the captured graphs' memory pools
                 if progress is not None:
                     progress.advance(task)
-            for b in (buf, buf8):
+            for b in (buf, *(q[0] for q in qbuf.values())):
                 if b is not None:
                     b.destroy()
-            data = w13 = w2 = w8 = None   # this shape's weights go before the next one's arrive
+            data = w13 = w2 = qbuf = None   # this shape's weights go before the next one's arrive
             torch.cuda.empty_cache()
     finally:
         if progress is not None:

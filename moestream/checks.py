@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_routing", "check_topk_range", "check_expert_weights",
-           "check_expert_weights_fp8", "INDEX_DTYPES"]
+           "check_expert_weights_fp8", "check_expert_weights_fp4w", "INDEX_DTYPES"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -97,11 +97,13 @@ def check_expert_weights(w13: torch.Tensor, w2: torch.Tensor, *, experts: int, h
                  device=w13.device, contiguous=contiguous)
 
 
-def _pair(name: str, w: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(name: str, w: object, fmt: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(w, (tuple, list)) or len(w) != 2:
-        raise ValueError(f"{name} must be a (values, scale_inv) pair in fp8 mode (e.g. from "
-                         f"moestream.quant.convert_expert_weights_fp8), got "
-                         f"{type(w).__name__}")
+        what = ("(values, scale_inv) pair in fp8 mode (e.g. from moestream.quant."
+                "convert_expert_weights_fp8)" if fmt == "fp8" else
+                "(packed, scales) pair in fp4w mode (e.g. from moestream.quant."
+                "convert_expert_weights_mxfp4)")
+        raise ValueError(f"{name} must be a {what}, got {type(w).__name__}")
     return w[0], w[1]
 
 
@@ -120,3 +122,35 @@ def check_expert_weights_fp8(w13: object, w2: object, *, experts: int, hidden: i
                  dtype=torch.float32, device=q13.device, contiguous=True)
     check_tensor(f"{prefix}w2 scale_inv", s2, shape=(experts, g_h, g_i), dtype=torch.float32,
                  device=q13.device, contiguous=True)
+
+
+MAX_E8M0 = 253   # the largest E8M0 code the fp4w GEMMs decode (moestream/kernels/gemm_fp4.py)
+
+
+def check_expert_weights_fp4w(w13: object, w2: object, *, experts: int, hidden: int,
+                              intermediate: int, device: torch.device | None = None,
+                              prefix: str = "", codes: bool = False) -> None:
+    """fp4w experts as (packed, scales) pairs (MXFP4, docs/quantization.md): w13 ([E, 2I, H/2]
+    uint8 e2m1 pairs, [E, 2I, H/32] uint8 E8M0), w2 ([E, H, I/2], [E, H, I/32]), all
+    contiguous and 16-byte aligned (the GEMMs read the codes four at a time). ``codes``: also
+    check every E8M0 code is at most 253 (reads the values: a device synchronisation)."""
+    (p13, s13), (p2, s2) = _pair(f"{prefix}w13", w13, "fp4w"), _pair(f"{prefix}w2", w2, "fp4w")
+    H, I = hidden, intermediate
+    check_tensor(f"{prefix}w13 packed", p13, shape=(experts, 2 * I, H // 2), dtype=torch.uint8,
+                 device=device, contiguous=True)
+    dev = p13.device
+    check_tensor(f"{prefix}w13 scales", s13, shape=(experts, 2 * I, H // 32), dtype=torch.uint8,
+                 device=dev, contiguous=True)
+    check_tensor(f"{prefix}w2 packed", p2, shape=(experts, H, I // 2), dtype=torch.uint8,
+                 device=dev, contiguous=True)
+    check_tensor(f"{prefix}w2 scales", s2, shape=(experts, H, I // 32), dtype=torch.uint8,
+                 device=dev, contiguous=True)
+    for name, t in ((f"{prefix}w13 packed", p13), (f"{prefix}w13 scales", s13),
+                    (f"{prefix}w2 packed", p2), (f"{prefix}w2 scales", s2)):
+        if t.data_ptr() % 16:   # the kernels load them with 16-byte alignment hints
+            raise ValueError(f"{name} must start at a 16-byte aligned address (torch "
+                             f"allocations are), got data_ptr % 16 = {t.data_ptr() % 16}")
+        if codes and "scales" in name and t.numel() and int(t.max()) > MAX_E8M0:
+            raise ValueError(f"{name} holds E8M0 codes above {MAX_E8M0} (254 = 2**127, 255 = "
+                             f"NaN), which the kernels do not decode; quant.quantize_weight_mxfp4 "
+                             f"writes at most 252 for finite weights")

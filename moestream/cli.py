@@ -70,7 +70,8 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
 
 def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
                  granularity: int | str = "token"):
-    """The layer on R virtual ranks; fp8 configs against the quantization-aware reference."""
+    """The layer on R virtual ranks; fp8 / fp4w configs against the quantization-aware
+    reference."""
     import torch
 
     from . import SymmBuffer, mega_moe_virtual
@@ -78,8 +79,8 @@ def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
     from .testing import make_routing, make_tokens, make_weights, quantize_weights, rel_error
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w13s, w2s = make_weights(cfg, R, generator=torch.Generator().manual_seed(seed), device=dev)
-    if cfg.dtype == "fp8":
-        w13s, w2s = quantize_weights(w13s, w2s)
+    if cfg.fp8_tokens:
+        w13s, w2s = quantize_weights(w13s, w2s, fmt=cfg.dtype)
     xs, idxs, ws = [], [], []
     for r in range(R):
         g = torch.Generator().manual_seed(seed + 1 + r)
@@ -138,7 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                ("fused kernel, token mode", "fused", "token", cfg),
                (f"fused kernel, {chunk}-token chunks", "fused", chunk, cfg),
                ("staged kernels, fp8 (vs the fp8-aware reference)", "staged", "token",
-                cfg.with_(dtype="fp8"))]
+                cfg.with_(dtype="fp8")),
+               ("staged kernels, fp4w (vs the fp4w-aware reference)", "staged", "token",
+                cfg.with_(dtype="fp4w"))]
     with Progress(console=con, transient=True) as prog:
         task = prog.add_task("running", total=len(jobs) + len(virtual))
         for label, provider, backend, world in jobs:

@@ -21,8 +21,8 @@ SHAPES: dict[str, dict[str, int]] = {
 
 # Activation / weight formats (docs/quantization.md). bf16; fp8: e4m3 activations with one fp32
 # scale per token per 128 channels and DeepSeek-V3 weights (e4m3, fp32 scale_inv per 128x128
-# block). "fp4w" (MXFP4 weights) is reserved: its GEMM kernels exist standalone only.
-DTYPES = ("bf16", "fp8")
+# block); fp4w: the same fp8 activations with MXFP4 weights (e2m1 pairs + one E8M0 code per 32).
+DTYPES = ("bf16", "fp8", "fp4w")
 FP8_GROUP = 128   # channels per activation scale, rows/columns per weight scale block
 _POW2_TILES = (16, 32, 64, 128, 256)
 
@@ -52,9 +52,11 @@ class MoEConfig:
         max_tokens_per_rank: the most tokens T any rank passes in one call; buffers are sized
             for it (the pool holds the worst case: every token of every rank sending all K picks
             to one rank), so no routing can overflow them.
-        dtype: "bf16" or "fp8" (tokens cross NVLink as e4m3 bytes plus an fp32 scale per 128
+        dtype: "bf16", "fp8" (tokens cross NVLink as e4m3 bytes plus an fp32 scale per 128
             channels, quantized by the layer; weights are e4m3 with 128x128 block scales; the
-            L2 output and the combine stay bf16).
+            L2 output and the combine stay bf16) or "fp4w" (tokens as in "fp8"; weights MXFP4,
+            two e2m1 values per byte and one E8M0 scale per 32 along K, decoded to e4m3 in the
+            GEMMs; the staged path only).
         block_m: pool rows per GEMM block. Each expert's pool segment is padded to a multiple
             of it, and an L1 block starts once that many of its tokens (or the expert's ragged
             remainder) have arrived.
@@ -156,22 +158,28 @@ class MoEConfig:
         return self.hidden // self.block_n
 
     @property
+    def fp8_tokens(self) -> bool:
+        """Tokens (and L1 outputs) cross as e4m3 bytes + fp32 scales: "fp8" and "fp4w"."""
+        return self.dtype in ("fp8", "fp4w")
+
+    @property
     def bytes_per_element(self) -> int:
-        """Bytes of one weight (and token) value: 2 for bf16, 1 for fp8 (scales excluded)."""
-        return 1 if self.dtype == "fp8" else 2
+        """Bytes of one token value: 2 for bf16, 1 for fp8 and fp4w (scales excluded); also a
+        weight value's in bf16 and fp8 (fp4w weights take half a byte)."""
+        return 1 if self.fp8_tokens else 2
 
     @property
     def token_bytes(self) -> int:
         """Bytes of one token's row as it crosses NVLink: bf16 values, or fp8 values followed
         by their fp32 scales (one per 128 channels), padded to 16 bytes (aligned rows)."""
-        if self.dtype == "fp8":
+        if self.fp8_tokens:
             return align_up(self.hidden + 4 * (self.hidden // FP8_GROUP), 16)
         return 2 * self.hidden
 
     @property
     def act_bytes(self) -> int:
         """Bytes of one L1 output row (the L2 input): as ``token_bytes`` with I columns."""
-        if self.dtype == "fp8":
+        if self.fp8_tokens:
             return align_up(self.intermediate + 4 * (self.intermediate // FP8_GROUP), 16)
         return 2 * self.intermediate
 

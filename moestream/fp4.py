@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import MAX_E8M0 as CHECKED_E8M0
 from .fp8 import (_act_out, _check_meta, _dims, _launch_kw, _pool_blocks, _pow2, _tensor,
                   _y_out, pack_block_meta)
 from .kernels._common import INTERPRET
@@ -181,5 +182,7 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
     return y
 
 
-# the kernels' blocking is moestream.quant's format
+# the kernels' blocking is moestream.quant's format, and checks.py (the layer's weight check)
+# rejects exactly the E8M0 codes they cannot decode
+assert MAX_E8M0 == CHECKED_E8M0
 assert ACT_GROUP.value == FP8_BLOCK and MX_BLOCK.value == MXFP4_BLOCK

@@ -13,8 +13,8 @@ import torch
 
 from . import stages
 from .buffer import SymmBuffer
-from .checks import (check_expert_weights, check_expert_weights_fp8, check_routing, check_tensor,
-                     check_topk_range)
+from .checks import (check_expert_weights, check_expert_weights_fp4w, check_expert_weights_fp8,
+                     check_routing, check_tensor, check_topk_range)
 
 __all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
@@ -33,6 +33,8 @@ def _prepare_rank(buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
                 intermediate=cfg.intermediate, device=buffer.device, prefix=prefix)
     if cfg.dtype == "fp8":
         check_expert_weights_fp8(w13, w2, **dims)
+    elif cfg.dtype == "fp4w":
+        check_expert_weights_fp4w(w13, w2, codes=validate, **dims)
     else:
         check_expert_weights(w13, w2, dtype=torch.bfloat16, contiguous=True, **dims)
     if validate:
@@ -62,7 +64,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             fp8 buffers (config.dtype "fp8"): a pair (values [E/R, 2I, H] float8_e4m3fn,
             scale_inv [E/R, 2I/128, H/128] fp32), as ``quant.convert_expert_weights_fp8``.
         w2s: per rank, [E/R, H, I] bf16 contiguous (fp8: (values [E/R, H, I] e4m3,
-            scale_inv [E/R, H/128, I/128] fp32)).
+            scale_inv [E/R, H/128, I/128] fp32)). fp4w buffers: (packed, scales) pairs as
+            ``mega_moe`` takes them.
         buffer: a virtual ``SymmBuffer`` with num_ranks == R.
         out: optional [R, max T_r, H] bf16 to write into (rows past T_r are left alone).
         validate: check topk id ranges on the host before launching (a synchronisation).
@@ -104,7 +107,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    _runner(impl, granularity)(buffer, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
+    _runner(impl, granularity, buffer.config)(buffer, xs, idxs, ws, w13s, w2s, out,
+                                              tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
 
@@ -112,9 +116,11 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
 IMPLS = ("staged", "fused")
 
 
-def _runner(impl: str, granularity: int | str):
+def _runner(impl: str, granularity: int | str, config):
     """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
     is a ValueError from ``stages.fused_tuning``, before anything is launched)."""
+    if impl == "fused" and config.dtype == "fp4w":
+        raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only: impl='staged'")
     if impl == "staged":
         if granularity != "token":
             raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
@@ -146,16 +152,19 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             (values [E/R, 2I, H] float8_e4m3fn, scale_inv [E/R, 2I/128, H/128] fp32), the
             DeepSeek-V3 format (``quant.convert_expert_weights_fp8``,
             ``quant.load_deepseek_v3_experts``); x stays bf16 and is quantized per token per
-            128 channels before it crosses NVLink (docs/quantization.md).
+            128 channels before it crosses NVLink (docs/quantization.md). With an fp4w buffer:
+            a pair (packed [E/R, 2I, H/2] uint8 e2m1 pairs, scales [E/R, 2I, H/32] uint8
+            E8M0), as ``quant.convert_expert_weights_mxfp4``; contiguous, 16-byte aligned.
         w2: [E/R, H, I] bf16 contiguous (fp8: (values [E/R, H, I] e4m3, scale_inv
-            [E/R, H/128, I/128] fp32)).
+            [E/R, H/128, I/128] fp32); fp4w: (packed [E/R, H, I/2], scales [E/R, H, I/32])).
         buffer: ``SymmBuffer(config, group=...)`` (or a virtual buffer with one rank).
         out: optional [T, H] bf16 output tensor.
-        validate: also check the topk id range on the host (synchronises). Without it, ids
-            outside [-1, E) are ignored by the kernels and reported as a ValueError by a later
-            call (or ``buffer.check()``).
+        validate: also check the topk id range on the host (synchronises), and in fp4w mode
+            that every E8M0 code is at most 253 (the kernels decode 254 and 255 wrongly).
+            Without it, ids outside [-1, E) are ignored by the kernels and reported as a
+            ValueError by a later call (or ``buffer.check()``).
         impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
-            dispatch, L1, L2 and combine).
+            dispatch, L1, L2 and combine; not in fp4w mode).
         tuning: launch shapes (``stages.Tuning``; None = the defaults for this device).
         granularity: streaming mode of the fused launch: "token" (default), C (chunked,
             DeepEP-normal style: C tokens per dispatch task, L1 waits for C-row chunks of an
@@ -180,7 +189,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    run = _runner(impl, granularity)
+    run = _runner(impl, granularity, buffer.config)
     run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
     if buffer.device.type != "cuda":
         buffer.check()       # the interpreter ran synchronously: report now
@@ -210,6 +219,9 @@ class MegaMoE(torch.nn.Module):
             with w13_scale_inv [E/R, 2I/128, H/128] and w2_scale_inv [E/R, H/128, I/128] fp32
             (the DeepSeek-V3 block format: load ``quant.load_deepseek_v3_experts`` output into
             them, or ``quant.convert_expert_weights_fp8`` of bf16 experts).
+        fp4w configs: w13 [E/R, 2I, H/2] and w2 [E/R, H, I/2] uint8 (MXFP4 e2m1 pairs) with
+            w13_scale [E/R, 2I, H/32] and w2_scale [E/R, H, I/32] uint8 (E8M0), as
+            ``quant.convert_expert_weights_mxfp4`` writes them.
     """
 
     def __init__(self, config, *, group=None, device: str | torch.device | None = None,
@@ -229,13 +241,20 @@ class MegaMoE(torch.nn.Module):
         self.scoring, self.renormalize = scoring, renormalize
         e_loc = config.experts_per_rank(self.buffer.num_ranks)
         H, I = config.hidden, config.intermediate
-        wdtype = torch.float8_e4m3fn if config.dtype == "fp8" else torch.bfloat16
+        wdtype = {"fp8": torch.float8_e4m3fn, "fp4w": torch.uint8}.get(config.dtype,
+                                                                      torch.bfloat16)
 
         def param(*shape, dtype=wdtype):
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
                                       requires_grad=False)
-        self.w13 = param(e_loc, 2 * I, H)
-        self.w2 = param(e_loc, H, I)
+        if config.dtype == "fp4w":   # two e2m1 values per byte, one E8M0 code per 32 along K
+            self.w13 = param(e_loc, 2 * I, H // 2)
+            self.w2 = param(e_loc, H, I // 2)
+            self.w13_scale = param(e_loc, 2 * I, H // 32)
+            self.w2_scale = param(e_loc, H, I // 32)
+        else:
+            self.w13 = param(e_loc, 2 * I, H)
+            self.w2 = param(e_loc, H, I)
         if config.dtype == "fp8":
             self.w13_scale_inv = param(e_loc, 2 * I // 128, H // 128, dtype=torch.float32)
             self.w2_scale_inv = param(e_loc, H // 128, I // 128, dtype=torch.float32)
@@ -252,11 +271,18 @@ class MegaMoE(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Random experts with unit-variance activations (1/sqrt(fan_in)); fp8 configs
-        quantize them to the block format."""
+        """Random experts with unit-variance activations (1/sqrt(fan_in)); fp8 and fp4w
+        configs quantize them to their formats."""
         H, I = self.config.hidden, self.config.intermediate
-        w13 = torch.randn(self.w13.shape, generator=generator) * H ** -0.5
-        w2 = torch.randn(self.w2.shape, generator=generator) * I ** -0.5
+        e_loc = self.w13.shape[0]
+        w13 = torch.randn(e_loc, 2 * I, H, generator=generator) * H ** -0.5
+        w2 = torch.randn(e_loc, H, I, generator=generator) * I ** -0.5
+        if self.config.dtype == "fp4w":
+            from .quant import convert_expert_weights_mxfp4
+            q = convert_expert_weights_mxfp4(w13, w2)
+            w13, w2 = q["w13"], q["w2"]
+            self.w13_scale.copy_(q["w13_scale"])
+            self.w2_scale.copy_(q["w2_scale"])
         if self.config.dtype == "fp8":
             from .quant import convert_expert_weights_fp8
             q = convert_expert_weights_fp8(w13, w2)
@@ -267,9 +293,12 @@ class MegaMoE(torch.nn.Module):
         self.w2.copy_(w2)
 
     def experts(self) -> tuple:
-        """(w13, w2) as ``mega_moe`` takes them: tensors, or fp8 (values, scale_inv) pairs."""
+        """(w13, w2) as ``mega_moe`` takes them: tensors, fp8 (values, scale_inv) or fp4w
+        (packed, scales) pairs."""
         if self.config.dtype == "fp8":
             return (self.w13, self.w13_scale_inv), (self.w2, self.w2_scale_inv)
+        if self.config.dtype == "fp4w":
+            return (self.w13, self.w13_scale), (self.w2, self.w2_scale)
         return self.w13, self.w2
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -104,7 +104,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
     e_loc = config.experts_per_rank(num_ranks)
     P = config.pool_capacity(num_ranks)
     n_mb = config.max_m_blocks(num_ranks)
-    if config.dtype == "fp8":
+    if config.fp8_tokens:
         rows = ("uint8", (config.token_bytes,), (config.act_bytes,), "e4m3 values + fp32 scales: ")
     else:
         rows = ("bfloat16", (H,), (I,), "")

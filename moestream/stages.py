@@ -125,6 +125,12 @@ class Tuning:
         on for calls whose experts expect few rows (``decode_rows_for``). Must divide
         block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and l2_split_m
         do not apply); the fused launch ignores it.
+    fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
+        "fp4w" computes each block's valid rows in pieces of this many rows, each piece
+        decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).
+        16-row pieces run as fp16 warp MMAs (exact; ``decode`` picks them for decode-sized
+        calls), 64-row pieces as fp8 warpgroup MMAs (``hopper``'s default). Pieces smaller
+        than block_m need l2_signal "rank"; the L2 runs its plain loop.
     """
 
     programs: int = 0
@@ -160,6 +166,7 @@ class Tuning:
     pdl: bool = False
     l2_split_m: int = 1
     decode_rows: int = 0
+    fp4w_rows: int = 64
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
@@ -176,6 +183,9 @@ class Tuning:
         Dispatch (session 8): tickets of 4 source tokens with eager loads, as the fused
         launch's tasks (sweep F3)."""
         copy = dict(dispatch_tile=4, dispatch_eager=True, wait=False)
+        if dtype == "fp4w":   # pointer loads, 64-row pieces (session 9, benchmarks/quant_gemm.py)
+            return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
+                       l2_block_n=128, fp4w_rows=min(64, block_m), **copy)
         if dtype == "fp8":
             if block_m >= 128:
                 return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=3, l1_block_n=128,
@@ -212,12 +222,11 @@ class Tuning:
         if not sms:
             return t
         cfg = buffer.config
-        fp8 = cfg.dtype == "fp8"
         dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
                              num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
         if dm:
             return t.decode(dm, cfg)
-        if fp8:   # fp8: a block quantizes 128 columns
+        if cfg.fp8_tokens:   # fp8 / fp4w: a block quantizes 128 columns
             return t
         # under uniform routing a rank receives about tokens * top_k picks
         touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
@@ -234,6 +243,10 @@ class Tuning:
         dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
         parts = _row_chunks(cfg.token_bytes // 2, self.hidden_chunk)   # every chunk of a row
+        if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact),
+            # L1 with 4 warps, two programs per SM (session 9: dsv3 1 token 507 -> 321 µs)
+            return replace(self, fp4w_rows=16, l1_warps=4, l1_stages=3, l2_warps=4,
+                           l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts)
         if cfg.dtype == "fp8":
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
@@ -277,6 +290,9 @@ class Tuning:
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
+        if type(self.fp4w_rows) is not int or self.fp4w_rows not in (16, 32, 64, 128, 256):
+            raise ValueError(f"Tuning.fp4w_rows must be 16, 32, 64, 128 or 256, got "
+                             f"{self.fp4w_rows!r}")
         if type(self.decode_rows) is not int or self.decode_rows not in (0, 16, 32):
             raise ValueError(f"Tuning.decode_rows must be 0 (off), 16 or 32, got "
                              f"{self.decode_rows!r}")
@@ -315,9 +331,9 @@ class Tuning:
                        dispatch_programs=0)
 
     def l1_tile(self, cfg) -> tuple[int, int]:
-        """(block_n, block_k) of L1. fp8: block_k is the scale block (128), and a block
+        """(block_n, block_k) of L1. fp8 / fp4w: block_k is the scale block (128), and a block
         re-quantizes whole 128-column groups, so block_n is 128 (default) or 256."""
-        if cfg.dtype == "fp8":
+        if cfg.fp8_tokens:
             bn = self.l1_block_n or 128
             if bn not in (128, 256) or cfg.intermediate % bn:
                 raise ValueError(f"fp8 needs Tuning.l1_block_n 128 or 256 dividing "
@@ -326,10 +342,20 @@ class Tuning:
         return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
 
     def l2_tile(self, cfg) -> tuple[int, int]:
-        """(block_n, block_k) of L2 (fp8: block_k is the scale block, 128)."""
-        if cfg.dtype == "fp8":
+        """(block_n, block_k) of L2 (fp8 / fp4w: block_k is the scale block, 128)."""
+        if cfg.fp8_tokens:
             return self.l2_block_n or 128, FP8_GROUP
         return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
+
+    def fp4w_pieces(self, cfg) -> int:
+        """Rows per piece of an fp4w block (fp4w_rows, at most block_m; 0 in other modes)."""
+        if cfg.dtype != "fp4w":
+            return 0
+        rows = min(self.fp4w_rows, cfg.block_m)
+        if cfg.block_m % rows:
+            raise ValueError(f"Tuning.fp4w_rows={self.fp4w_rows} must divide "
+                             f"block_m={cfg.block_m}")
+        return rows
 
     def decode_pieces(self, cfg) -> int:
         """decode_rows checked against the config (0: off)."""
@@ -504,7 +530,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         off["off_reset"], c.reset_words,
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
-        BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.dtype == "fp8",
+        BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
         FIX_ROUNDING=INTERPRET, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
@@ -559,9 +585,10 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) address tables of the local ranks' weights: bf16 tensors, or fp8
-    (values, scale_inv) pairs (the scale table is the value table in bf16 mode, unused)."""
-    if buffer.config.dtype == "fp8":
+    """(values, scales) address tables of the local ranks' weights: bf16 tensors, fp8
+    (values, scale_inv) or fp4w (packed, scales) pairs (the scale table is the value table in
+    bf16 mode, unused)."""
+    if buffer.config.fp8_tokens:
         return (buffer.weight_table([w[0] for w in ws]),
                 buffer.weight_table([w[1] for w in ws]))
     tab = buffer.weight_table(ws)
@@ -569,16 +596,18 @@ def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torc
 
 
 def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None:
-    """w13s: per local rank, w13 [E/R, 2I, H] bf16, or in fp8 mode (values, scale_inv)."""
+    """w13s: per local rank, w13 [E/R, 2I, H] bf16, or in fp8 mode (values, scale_inv), in
+    fp4w mode (packed, scales)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
     bn, bk = tuning.l1_tile(cfg)
-    fp8 = cfg.dtype == "fp8"
-    dm = tuning.decode_pieces(cfg)
+    fp8 = cfg.fp8_tokens
+    w4 = tuning.fp4w_pieces(cfg)
+    dm = 0 if w4 else tuning.decode_pieces(cfg)
     # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower), except
-    # in decode pieces, whose accumulators are small
-    tma = tuning.tma(buffer) and (not fp8 or dm > 0)
+    # in decode pieces, whose accumulators are small; fp4w: pointer loads
+    tma = tuning.tma(buffer) and (not fp8 or dm > 0) and not w4
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
@@ -587,7 +616,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, **tuning.pdl_args(buffer),
+              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -595,14 +624,19 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
-    """w2s: per local rank, w2 [E/R, H, I] bf16, or in fp8 mode (values, scale_inv)."""
+    """w2s: per local rank, w2 [E/R, H, I] bf16, or in fp8 mode (values, scale_inv), in fp4w
+    mode (packed, scales)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
     bn, bk = tuning.l2_tile(cfg)
-    fp8 = cfg.dtype == "fp8"
-    tma = tuning.tma(buffer)
-    dm = tuning.decode_pieces(cfg)
+    fp8 = cfg.fp8_tokens
+    w4 = tuning.fp4w_pieces(cfg)
+    tma = tuning.tma(buffer) and not w4
+    dm = 0 if w4 else tuning.decode_pieces(cfg)
+    pieces = dm or w4   # row pieces inside a block: only the rank signal
+    if pieces and tuning.l2_signal != "rank" and pieces < cfg.block_m:
+        raise ValueError("fp4w row pieces smaller than block_m need Tuning.l2_signal='rank'")
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
@@ -615,8 +649,10 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
-              FLAT=tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank" and not dm,
-              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if dm else tuning.l2_split_m, DM=dm,
+              FLAT=(tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
+                    and not pieces),
+              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if pieces else tuning.l2_split_m,
+              DM=dm, W4=w4,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
@@ -690,6 +726,8 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
+    if cfg.dtype == "fp4w":
+        raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only (impl='staged')")
     bn1, bk1 = tuning.l1_tile(cfg)
     bn2, bk2 = tuning.l2_tile(cfg)
     fp8 = cfg.dtype == "fp8"

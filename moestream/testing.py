@@ -20,7 +20,8 @@ __all__ = ["make_routing", "make_tokens", "make_weights", "quantize_weights", "s
 # same e4m3 bytes and scales), so only summation order, rare one-ulp flips of the L1 output's
 # re-quantization and the bf16 rounding of the L2 rows and the output differ (seen ~3e-3 on
 # the CPU); against the unquantized bf16 layer fp8 is ~6e-2 on random data (quantization.md).
-TOLERANCE = {"bf16": 1e-2, "fp8": 3e-2}
+# fp4w: the same against moe_forward(..., quant="fp4w") (MXFP4 weights, the same fp8 bytes).
+TOLERANCE = {"bf16": 1e-2, "fp8": 3e-2, "fp4w": 3e-2}
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -81,22 +82,27 @@ def make_weights(config: MoEConfig, num_ranks: int, *, generator: torch.Generato
     return w13s, w2s
 
 
-def quantize_weights(w13s, w2s, *, experts_per_step: int = 8
+def quantize_weights(w13s, w2s, *, fmt: str = "fp8", experts_per_step: int = 8
                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                 list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per-rank bf16 experts (``make_weights``) -> fp8 ``(values, scale_inv)`` pairs, the
-    DeepSeek-V3 format the fp8 layer takes (``quant.convert_expert_weights_fp8``), computed
-    on the weights' device a few experts at a time (the quantizer's fp32 temporaries of a
-    whole dsv3 rank would take tens of GB)."""
-    from .quant import convert_expert_weights_fp8
+    """Per-rank bf16 experts (``make_weights``) -> the pairs the quantized layers take: fp8
+    ``(values, scale_inv)`` (the DeepSeek-V3 format, ``quant.convert_expert_weights_fp8``) or
+    fp4w ``(packed, scales)`` (MXFP4, ``quant.convert_expert_weights_mxfp4``), computed on the
+    weights' device a few experts at a time (the quantizer's fp32 temporaries of a whole dsv3
+    rank would take tens of GB)."""
+    from .quant import convert_expert_weights_fp8, convert_expert_weights_mxfp4
+    if fmt not in ("fp8", "fp4w"):
+        raise ValueError(f"fmt must be 'fp8' or 'fp4w', got {fmt!r}")
+    convert, s13, s2 = ((convert_expert_weights_fp8, "w13_scale_inv", "w2_scale_inv")
+                        if fmt == "fp8" else
+                        (convert_expert_weights_mxfp4, "w13_scale", "w2_scale"))
     w13q, w2q = [], []
     for w13, w2 in zip(w13s, w2s):
-        parts = [convert_expert_weights_fp8(w13[i:i + experts_per_step],
-                                            w2[i:i + experts_per_step])
+        parts = [convert(w13[i:i + experts_per_step], w2[i:i + experts_per_step])
                  for i in range(0, w13.shape[0], experts_per_step)]
         cat = (lambda k: torch.cat([d[k] for d in parts]))
-        w13q.append((cat("w13"), cat("w13_scale_inv")))
-        w2q.append((cat("w2"), cat("w2_scale_inv")))
+        w13q.append((cat("w13"), cat(s13)))
+        w2q.append((cat("w2"), cat(s2)))
     return w13q, w2q
 
 

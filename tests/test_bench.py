@@ -59,6 +59,16 @@ def test_fp8_floors_use_fp8_rate_and_bytes() -> None:
     assert fp8["link_us"] < bf16["link_us"]
 
 
+def test_fp4w_floors_read_half_the_fp8_weight_bytes() -> None:
+    # MXFP4 weights: half a byte plus one E8M0 byte per 32 (0.53 B) against fp8's ~1 B; the
+    # tokens cross as fp8 (same link floor), the MMAs run at the fp8 rate
+    fp8 = floors("dsv3", tokens_per_rank=8, ranks=2, dtype="fp8")
+    fp4w = floors("dsv3", tokens_per_rank=8, ranks=2, dtype="fp4w")
+    want = (0.5 + 1 / 32) / (1 + 4 / 128 ** 2)
+    assert fp4w["weights_us"] / fp8["weights_us"] == pytest.approx(want)
+    assert fp4w["link_us"] == fp8["link_us"] and fp4w["compute_us"] == fp8["compute_us"]
+
+
 def test_single_rank_has_no_link_floor() -> None:
     assert floors("qwen3", tokens_per_rank=512, ranks=1)["link_us"] == 0.0
 
@@ -215,7 +225,8 @@ def test_stage_providers_and_plot(tmp_path):
     from moestream.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
     from moestream.stages import STAGES
     check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
-                     "fp8-staged-graph-stages"])
+                     "fp8-staged-graph-stages", "fp4w-staged-stages", "fp4w-staged-graph"])
+    assert _dtype("fp4w-staged-graph-stages") == "fp4w" and _dtype("staged") == "bf16"
     assert _stagewise("staged-stages") and not _replayed("staged-stages")
     assert _stagewise("fp8-staged-graph-stages") and not _replayed("staged-graph-stages")
     assert _dtype("fp8-staged-stages") == "fp8" and not _stagewise("staged-graph")

@@ -1,14 +1,15 @@
-"""The fp8 layer (MoEConfig(dtype="fp8")) on R virtual ranks: on the CPU under Triton's
-interpreter, on a GPU (marked gpu) where there is one.
+"""The quantized layers (MoEConfig(dtype="fp8"), and dtype="fp4w": the same fp8 tokens with
+MXFP4 weights) on R virtual ranks: on the CPU under Triton's interpreter, on a GPU (marked gpu)
+where there is one.
 
 Routing-level invariants are checked separately from numerics:
 - publish: each rank's published row holds exactly ``quant.quantize_act_fp8``'s bytes (e4m3
   values, then the fp32 scales);
 - dispatch: every pick of a local expert finds the byte-identical published row of its source
   token in the pool (rows are random, so a misplaced row cannot match), once per pick;
-- the layer: against the quantization-aware reference (``moe_forward(..., quant="fp8")``, the
-  same bytes) within the written fp8 tolerance, every output row written (outputs poisoned
-  with NaN), tokens with only -1 picks exactly zero.
+- the layer: against the quantization-aware reference (``moe_forward(..., quant="fp8")`` or
+  ``quant="fp4w"``, the same bytes) within the written tolerance, every output row written
+  (outputs poisoned with NaN), tokens with only -1 picks exactly zero.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def fp8_config(**kw) -> MoEConfig:
 def make_case(cfg, Ts, gen, device, *, drop=0.0, routing=None):
     R = len(Ts)
     w13s, w2s = make_weights(cfg, R, generator=gen)
-    w13q, w2q = quantize_weights(w13s, w2s)
+    w13q, w2q = quantize_weights(w13s, w2s, fmt=cfg.dtype)
     xs, idxs, ws = [], [], []
     for r, T in enumerate(Ts):
         x = make_tokens(T, cfg.hidden, generator=gen)
@@ -68,10 +69,10 @@ def poison(buffer: SymmBuffer) -> None:
         buffer.view("pool_weight", lr).fill_(float("nan"))
 
 
-def check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, *, hidden, label=""):
+def check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, *, hidden, label="", quant="fp8"):
     refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
                              [w.cpu() for w in ws], [(q.cpu(), s.cpu()) for q, s in w13q],
-                             [(q.cpu(), s.cpu()) for q, s in w2q], quant="fp8",
+                             [(q.cpu(), s.cpu()) for q, s in w2q], quant=quant,
                              compute_dtype=torch.float64)
     for r, (y, x) in enumerate(zip(ys, xs)):
         assert y.shape == (x.shape[0], hidden), (label, r)
@@ -297,10 +298,10 @@ def test_fp8_input_errors(gen):
     with pytest.raises(ValueError, match="l1_block_n 128 or 256"):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=stages.Tuning(l1_block_n=64))
     with pytest.raises(ValueError, match="dtype must be one of"):
-        fp8_config(dtype="fp4w")                                       # reserved, not built
+        fp8_config(dtype="fp4")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp4w"])
 def test_megamoe_module_single_rank(gen, dtype):
     # the nn.Module on one rank (no process group): its own buffer and experts, random
     # parameters from reset_parameters (fp8: quantized to the block format), forward and
@@ -312,14 +313,89 @@ def test_megamoe_module_single_rank(gen, dtype):
     m.reset_parameters(generator=gen)
     if dtype == "fp8":
         assert m.w13.dtype == FP8 and m.w13_scale_inv.shape == (4, 4, 2)
+    elif dtype == "fp4w":   # e2m1 pairs and one E8M0 code per 32 along K
+        assert m.w13.shape == (4, 512, 128) and m.w13_scale.shape == (4, 512, 8)
+        assert m.w2.dtype == torch.uint8 and m.w2_scale.shape == (4, 256, 8)
     else:
         assert m.w13.dtype == torch.bfloat16 and not hasattr(m, "w13_scale_inv")
     x = make_tokens(11, cfg.hidden, generator=gen)
     logits = torch.randn(11, cfg.num_experts, generator=gen)
     w13, w2 = m.experts()
-    quant = "fp8" if dtype == "fp8" else "bf16"
+    quant = dtype
     idx, w = route(logits, cfg.top_k)
     ref = moe_forward(x, idx, w, w13, w2, quant=quant)
     y = m.forward_logits(x, logits)
     assert rel_error(y, ref) < TOLERANCE[dtype]
     assert torch.equal(m(x, idx, w), y)
+
+
+# ---- fp4w: fp8 tokens, MXFP4 weights (kernels/gemm_fp4.py inside the staged L1 / L2) ----------
+
+def check_tuned_fp4w_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None,
+                           label="") -> None:
+    """One fp4w staged call with ``tuning`` on len(Ts) virtual ranks against
+    moe_forward(..., quant="fp4w"), buffer and output poisoned first."""
+    cfg = cfg.with_(dtype="fp4w")
+    R = len(Ts)
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    poison(buf)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, out=out, tuning=tuning)
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=label or str(tuning),
+                    quant="fp4w")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", [
+    (1, [1], 4, 0.0, None, "T=1, R=1"),
+    (2, [19, 0], 3, 0.2, None, "rank with zero tokens, -1 picks, 3 experts per rank"),
+    (2, [24, 11], 4, 0.0, lambda r, T: torch.stack([torch.full((T,), 5), torch.full((T,), 1)],
+                                                   1), "all tokens to two experts; the "
+                                                       "others receive none"),
+    (3, [7, 24, 1], 5, 0.1, None, "3 ranks, 5 experts per rank, T not a multiple of BM"),
+    (2, [6, 9], 4, 0.0, lambda r, T: torch.full((T, 2), -1), "every pick -1: y is exactly 0"),
+])
+def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_rank, drop,
+                                                     routing, label):
+    # the default tuning: pieces of min(64, block_m) = 16 rows, one per m-block
+    check_tuned_fp4w_layer(fp8_config(num_experts=R * e_per_rank), Ts, stages.Tuning(), gen,
+                           device, drop=drop, routing=routing, label=label)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    # 16-row pieces of 64-row blocks (the decode form): a block's rows in up to four pieces,
+    # the last one partly filled; the L2 pieces store into the combine slots by offset r0
+    stages.Tuning(fp4w_rows=16),
+    # whole 64-row blocks, 256-wide L1 blocks (two scale groups), rows signalled per m-block
+    stages.Tuning(fp4w_rows=64, l1_block_n=256, l2_block_n=64, l2_signal="rows"),
+    # 32-row pieces, no waits, three programs walking the tiles
+    stages.Tuning(fp4w_rows=32, wait=False, programs=3),
+], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait"])
+def test_fp4w_layer_in_row_pieces(device, gen, tuning):
+    # block_m 64, two experts per rank, top-2: ~50 rows per expert
+    check_tuned_fp4w_layer(fp8_config(num_experts=4, block_m=64, max_tokens_per_rank=56,
+                                      intermediate=512), [53, 3], tuning, gen, device, drop=0.05)
+
+
+def test_fp4w_input_errors(gen):
+    cfg = fp8_config(num_experts=4, dtype="fp4w")
+    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+    xs, idxs, ws, w13q, w2q = make_case(cfg, [4, 4], gen, "cpu")
+    w13s, w2s = make_weights(cfg, 2, generator=gen)
+    with pytest.raises(ValueError, match="pair in fp4w mode"):
+        mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf)                 # bf16 weights
+    q8, _ = quantize_weights(w13s, w2s, fmt="fp8")
+    with pytest.raises(ValueError, match="w13 packed must have shape"):
+        mega_moe_virtual(xs, idxs, ws, q8, w2q, buf)                   # fp8 pairs
+    bad = [(p, s.clone().fill_(254)) for p, s in w2q]
+    with pytest.raises(ValueError, match="E8M0 codes above 253"):
+        mega_moe_virtual(xs, idxs, ws, w13q, bad, buf)                 # validate=True reads codes
+    odd = [(torch.zeros(p.numel() + 1, dtype=torch.uint8)[1:].view(p.shape), s) for p, s in w2q]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mega_moe_virtual(xs, idxs, ws, w13q, odd, buf)
+    with pytest.raises(ValueError, match="staged path only"):
+        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
+    with pytest.raises(ValueError, match="fp4w_rows"):
+        stages.Tuning(fp4w_rows=48)

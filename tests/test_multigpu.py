@@ -276,8 +276,17 @@ def test_missing_peer_raises_instead_of_hanging():
 
 
 def _worker_fp8(rank, world, seed):
-    """fp8 (MoEConfig dtype "fp8") across GPUs: edge cases against the quantization-aware
-    reference, then a CUDA graph replayed with new inputs, then 200 calls in a row."""
+    return _quant_worker(rank, world, seed, "fp8", 200)
+
+
+def _worker_fp4w(rank, world, seed):
+    return _quant_worker(rank, world, seed, "fp4w", 60)
+
+
+def _quant_worker(rank, world, seed, fmt, calls):
+    """fp8 or fp4w (MoEConfig dtype ``fmt``) across GPUs: edge cases against the
+    quantization-aware reference, then a CUDA graph replayed with new inputs, then ``calls``
+    calls in a row."""
     import torch.distributed as dist
     from moestream import SymmBuffer, mega_moe
     from moestream.reference import moe_forward
@@ -286,16 +295,16 @@ def _worker_fp8(rank, world, seed):
 
     def ref(cfg, x, idx, w, w13q, w2q):
         cat = (lambda ws: tuple(torch.cat([p[i] for p in ws]).to(dev) for i in range(2)))
-        return moe_forward(x, idx, w, cat(w13q), cat(w2q), quant="fp8")
+        return moe_forward(x, idx, w, cat(w13q), cat(w2q), quant=fmt)
 
     out = []
     for name, Ts, changes, opts in _edge_cases(world):
         if name == "skewed routing":   # routing only: the bf16 worker covers it
             continue
-        cfg = _cfg(dtype="fp8", **changes)
+        cfg = _cfg(dtype=fmt, **changes)
         buf = SymmBuffer(cfg, group=dist.group.WORLD)
         x, idx, w, w13s, w2s = _inputs(cfg, world, rank, Ts[rank], seed, **opts)
-        w13q, w2q = quantize_weights(w13s, w2s)
+        w13q, w2q = quantize_weights(w13s, w2s, fmt=fmt)
         x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
         mine = (lambda p: (p[0].to(dev), p[1].to(dev)))
         y = torch.full((Ts[rank], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -305,11 +314,11 @@ def _worker_fp8(rank, world, seed):
         out.append((name, err, bool(torch.isnan(y).any())))
         buf.destroy()
 
-    cfg = _cfg(dtype="fp8")
+    cfg = _cfg(dtype=fmt)
     buf = SymmBuffer(cfg, group=dist.group.WORLD)
     T = 48 + 16 * rank
     x, idx, w, w13s, w2s = _inputs(cfg, world, rank, T, seed)
-    w13q, w2q = quantize_weights(w13s, w2s)
+    w13q, w2q = quantize_weights(w13s, w2s, fmt=fmt)
     w13, w2 = (w13q[rank][0].to(dev), w13q[rank][1].to(dev)), (w2q[rank][0].to(dev),
                                                                w2q[rank][1].to(dev))
     sx, sidx, sw = x.to(dev), idx.to(dev), w.to(dev)
@@ -324,23 +333,24 @@ def _worker_fp8(rank, world, seed):
         out.append((f"graph replay {replay}", rel_error(y, ref(cfg, sx, sidx, sw, w13q, w2q)),
                     bool(torch.isnan(y).any())))
     worst = 0.0
-    for call in range(200):
+    for call in range(calls):
         x2, idx2, w2_, _, _ = _inputs(cfg, world, rank, (call * 7 + rank) % 97, seed + call)
         y = mega_moe(x2.to(dev), idx2.to(dev), w2_.to(dev), w13, w2, buf)
-        if call % 40 == 39 and y.shape[0]:
+        if call % (calls // 5) == calls // 5 - 1 and y.shape[0]:   # five checks
             worst = max(worst, rel_error(y, ref(cfg, x2.to(dev), idx2.to(dev), w2_.to(dev),
                                                 w13q, w2q)))
     torch.cuda.synchronize()
     buf.check()
-    out.append(("200 calls", worst, False))
+    out.append((f"{calls} calls", worst, False))
     buf.destroy()
     return out
 
 
-def test_fp8_layer_across_gpus():
+@pytest.mark.parametrize("fmt", ["fp8", "fp4w"])
+def test_quantized_layer_across_gpus(fmt):
     from moestream.testing import TOLERANCE
-    for per_rank in _spawn(_worker_fp8, 4321):
+    for per_rank in _spawn(_worker_fp8 if fmt == "fp8" else _worker_fp4w, 4321):
         assert len(per_rank) == 10
         for name, err, nan in per_rank:
-            assert not nan, f"fp8 {name}: output left unwritten"
-            assert err < TOLERANCE["fp8"], f"fp8 {name}: rel error {err:.2e}"
+            assert not nan, f"{fmt} {name}: output left unwritten"
+            assert err < TOLERANCE[fmt], f"{fmt} {name}: rel error {err:.2e}"

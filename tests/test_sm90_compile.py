@@ -32,20 +32,28 @@ def compiled_rows() -> list[dict]:
 def compiled(compiled_rows) -> dict[str, dict]:
     """The bf16 layer's kernels by name (its GPU defaults and fused variants)."""
     return {r["name"]: r for r in compiled_rows
-            if not r["kernel"].endswith((" fp8", " pdl", " decode"))}
+            if not r["kernel"].endswith((" fp8", " pdl", " decode", " fp4w"))}
 
 
 @pytest.fixture(scope="module")
 def compiled_decode(compiled_rows) -> dict[str, dict]:
     """The staged GEMMs in decode pieces (Tuning.decode), bf16 and fp8, by (name, dtype)."""
     return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 decode") else "bf16"): r
-            for r in compiled_rows if r["kernel"].endswith(" decode")}
+            for r in compiled_rows
+            if r["kernel"].endswith(" decode") and not r["kernel"].endswith(" fp4w decode")}
 
 
 @pytest.fixture(scope="module")
 def compiled_pdl(compiled_rows) -> dict[str, dict]:
     """The staged kernels launched with programmatic dependent launch (Tuning.pdl)."""
     return {r["name"]: r for r in compiled_rows if r["kernel"].endswith(" pdl")}
+
+
+@pytest.fixture(scope="module")
+def compiled_fp4w(compiled_rows) -> dict[tuple[str, str], dict]:
+    """The fp4w layer's kernels (staged path) by (name, "default" | "decode")."""
+    return {(r["name"], "decode" if r["kernel"].endswith(" decode") else "default"): r
+            for r in compiled_rows if r["kernel"].endswith((" fp4w", " fp4w decode"))}
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +154,19 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
 def test_resident_per_sm_limits(regs, shared, warps, want):
     from moestream.stages import resident_per_sm
     assert resident_per_sm(registers=regs, shared_bytes=shared, warps=warps) == want
+
+
+def test_fp4w_layer_gemms(compiled_fp4w):
+    # the fp4w layer's GEMMs (dsv3 dims, Tuning.hopper "fp4w" and its decode form): the
+    # MXFP4 tiles decoded by the PTX bit operations feed fp8 warpgroup MMAs in 64-row pieces
+    # and fp16 warp MMAs (the e4m3 values widened exactly) in the decode form's 16-row pieces;
+    # shared memory fits; the 16-row pieces do not spill
+    names = {n for n, _ in compiled_fp4w}
+    assert {"publish_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel"} <= names
+    for form, mma in (("default", "qgmma"), ("decode", "hmma")):
+        for name in ("l1_kernel", "l2_kernel"):
+            row = compiled_fp4w[(name, form)]
+            assert row[mma] > 0 and row["hgmma"] == 0, row
+            assert row["shared_bytes"] <= SM90_SHARED_LIMIT, row
+            if form == "decode":
+                assert row["stack_bytes"] == 0, row

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, tl, to_bf16, triton, wait_at_least)
+from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
                        l2_fp8_rows)
 
@@ -197,11 +198,15 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
 
 
 @triton.jit
-def expert_weights(w_table, s_table, index, FP8: tl.constexpr):
+def expert_weights(w_table, s_table, index, FP8: tl.constexpr, W4: tl.constexpr = False):
     """(values, scale_inv) pointers of local rank ``index``'s experts: e4m3 values and fp32
-    block scales (FP8; torch allocations, 16-byte aligned), or bf16 values (the second pointer
-    is the first, unused)."""
-    if FP8:
+    block scales (FP8; torch allocations, 16-byte aligned), MXFP4 packed pairs and E8M0 codes
+    (W4, both uint8; 16-byte aligned, checks.check_expert_weights_fp4w), or bf16 values (the
+    second pointer is the first, unused)."""
+    if W4:
+        w = aligned_ptr_from(w_table, index, tl.uint8)
+        s = aligned_ptr_from(s_table, index, tl.uint8)
+    elif FP8:
         w = aligned_ptr_from(w_table, index, tl.float8e4nv)
         s = aligned_ptr_from(s_table, index, tl.float32)
     else:
@@ -214,16 +219,22 @@ def expert_weights(w_table, s_table, index, FP8: tl.constexpr):
 def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-                      DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False):
+                      DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
+                      W4: tl.constexpr = 0):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
     bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
-    DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there)."""
+    DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there).
+    W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows."""
     x_q = aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
     x_s = aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32)
     pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
-    if DM > 0:
+    if W4:   # MXFP4 weights: the block's valid rows in pieces of W4 rows
+        for r0 in range(0, meta & 511, W4):
+            l1_fp4w_rows(mb, r0, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
+                         act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, W4, FIX_ROUNDING)
+    elif DM > 0:
         l1_fp8_decode_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
                             act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, DM, a_desc,
                             w_desc, USE_TMA, FIX_ROUNDING)
@@ -241,14 +252,26 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                       SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
-                      SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0):
+                      SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0):
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS)."""
+    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS).
+    W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
+    SIGNAL_ROWS when W4 < BM / SPLIT_M)."""
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
-    if DM > 0:   # pieces as l2_decode_block
+    if W4:
+        BMT: tl.constexpr = BM // SPLIT_M
+        tl.static_assert(W4 == BMT or not SIGNAL_ROWS, "fp4w row pieces: rank signal")
+        vm = meta & 511
+        for r0 in range(sub * BMT, tl.minimum(vm, sub * BMT + BMT), W4):
+            acc = l2_fp4w_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4,
+                               BM, BN, BK, W4)
+            l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        SIGNAL_ROWS, EPI_SPLIT, r0 // W4, BM // W4)
+    elif DM > 0:   # pieces as l2_decode_block
         tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
         WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
         vm = meta & 511
@@ -278,13 +301,14 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
-                    DM: tl.constexpr = 0):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
-    rows, or ``l1_block``); DM > 0: in decode pieces of DM rows."""
+    rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
+    rows."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
-                          a_desc, w_desc, USE_TMA)
+                          a_desc, w_desc, USE_TMA, W4)
     elif DM > 0:
         l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
                         H, I, BM, BN, BK, DM, UPCAST, USE_TMA)
@@ -305,15 +329,19 @@ def l1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
+    W4: tl.constexpr = 0,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
+    W4 > 0 (with FP8): MXFP4 weights (kernels/gemm_fp4.py; pointer loads), a block's valid
+    rows in pieces of W4 rows.
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
     (``l1_decode_block``; the fp8 form loads by descriptor too).
     WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
+    tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
+    w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     arrival = peer_ptr(table, rank, off_arrival, tl.int32)
@@ -350,7 +378,7 @@ def l1_kernel(
             l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM)
+                            USE_TMA, FP8, DM, W4)
         meta = meta_next
         ticket += nprog
 
@@ -511,14 +539,15 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
                     EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr,
-                    DM: tl.constexpr = 0):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
-    rows, or ``l2_block``), row piece ``sub`` of SPLIT_M, or in decode pieces of DM rows."""
+    rows, with MXFP4 weights when W4 > 0, or ``l2_block``), row piece ``sub`` of SPLIT_M, or
+    in decode pieces of DM rows."""
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
-                          USE_TMA, sub, SPLIT_M, DM)
+                          USE_TMA, sub, SPLIT_M, DM, W4)
     elif DM > 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
@@ -545,9 +574,9 @@ def l2_kernel(
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
-    DM: tl.constexpr = 0,
+    DM: tl.constexpr = 0, W4: tl.constexpr = 0,
 ):
-    """FP8: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
+    """FP8, W4: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
     their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
@@ -557,9 +586,10 @@ def l2_kernel(
     on every rank (system scope); the staged combine waits for R there.
     DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1)."""
     tl.static_assert(DM == 0 or (RANK_SIGNAL and SPLIT_M == 1), "decode pieces: rank signal")
+    tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
+    w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
     block_start = peer_ptr(table, rank, off_block_start, tl.int32)
     block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
     l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
@@ -601,7 +631,7 @@ def l2_kernel(
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
-                            pm % SPLIT_M, SPLIT_M, DM)
+                            pm % SPLIT_M, SPLIT_M, DM, W4)
         ticket = total
     pm, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
     meta = tl.load(block_meta + pm // SPLIT_M, mask=ticket < total, other=0)
@@ -618,7 +648,7 @@ def l2_kernel(
             l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
-                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM)
+                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4)
         pm = pm_next
         nb = nb_next
         meta = meta_next

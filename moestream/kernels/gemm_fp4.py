@@ -160,22 +160,33 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
     (BN/128 scale groups per row). Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE,
     act_q A_STRIDE, act_scale AS_STRIDE (H, H/128, I, I/128 for separate tensors). The
     arguments are ``gemm_fp8.l1_fp8_block``'s with MXFP4 weights; BK must be 128."""
+    l1_fp4w_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                 X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, BM, FIX_ROUNDING)
+
+
+@triton.jit
+def l1_fp4w_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                 X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                 FIX_ROUNDING: tl.constexpr):
+    """``l1_fp4w_block`` on rows r0 .. r0+ROWS-1 of the m-block (the layer walks a block's
+    valid rows in pieces: 16-row pieces run as exact fp16 warp MMAs, docs/quantization.md)."""
     tl.static_assert(BK == ACT_GROUP)
     KS = H // BK                   # K steps
     HB = H // 2                    # packed bytes per weight row
     HW = H // (4 * MX_BLOCK)       # uint32 words of E8M0 codes per weight row (4 per word)
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     n = nb * BN + tl.arange(0, BN)
     wrow = e.to(tl.int64) * 2 * I + n.to(tl.int64)                          # gate rows [BN]
-    a_ptrs = x_q + rows[:, None] * X_STRIDE + tl.arange(0, MX_BLOCK)[None, :]   # [BM, 32]
+    a_ptrs = x_q + rows[:, None] * X_STRIDE + tl.arange(0, MX_BLOCK)[None, :]   # [ROWS, 32]
     xs_ptrs = x_scale + rows * XS_STRIDE
     wg_ptrs = w13 + wrow[:, None] * HB + tl.arange(0, MX_BLOCK // 2)[None, :]   # [BN, 16]
     wu_ptrs = wg_ptrs + I * HB
     # a 128-K step's four E8M0 codes are 4 consecutive bytes of a row: one uint32 per row
     sg_ptrs = w13_s.to(tl.pointer_type(tl.uint32)) + wrow * HW                   # [BN]
     su_ptrs = sg_ptrs + I * HW
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
+    acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
     for ks in range(KS):
         xs = act_scale_of(xs_ptrs + ks)
         acc_g += mx_step(a_ptrs, wg_ptrs, tl.load(sg_ptrs + ks)) * xs
@@ -184,7 +195,7 @@ def l1_fp4w_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sc
         wg_ptrs += BK // 2
         wu_ptrs += BK // 2
     l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM, BN, FIX_ROUNDING)
+                    BM, BN, FIX_ROUNDING, r0)
 
 
 @triton.jit
@@ -210,17 +221,25 @@ def l2_fp4w_acc(mb, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE
     """fp32 [BM, BN] = rows of m_block @ w2[e]^T, columns of n_block: four k=32 dots per
     128-K step. Row strides (elements): act_q A_STRIDE, act_scale AS_STRIDE (as
     ``gemm_fp8.l2_fp8_acc``); BK must be 128."""
+    return l2_fp4w_rows(mb, 0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+                        BM, BN, BK, BM)
+
+
+@triton.jit
+def l2_fp4w_rows(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_STRIDE,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    """``l2_fp4w_acc`` on rows r0 .. r0+ROWS-1 of the m-block: fp32 [ROWS, BN]."""
     tl.static_assert(BK == ACT_GROUP)
     KS = I // BK
     IB = I // 2
     IW = I // (4 * MX_BLOCK)
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     wrow = e.to(tl.int64) * H + (nb * BN + tl.arange(0, BN)).to(tl.int64)   # [BN]
     a_ptrs = act_q + rows[:, None] * A_STRIDE + tl.arange(0, MX_BLOCK)[None, :]
     as_ptrs = act_scale + rows * AS_STRIDE
     w_ptrs = w2 + wrow[:, None] * IB + tl.arange(0, MX_BLOCK // 2)[None, :]
     s_ptrs = w2_s.to(tl.pointer_type(tl.uint32)) + wrow * IW
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     for ks in range(KS):
         acc += mx_step(a_ptrs, w_ptrs, tl.load(s_ptrs + ks)) * act_scale_of(as_ptrs + ks)
         a_ptrs += BK
