@@ -152,10 +152,9 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
         assert seen == want, f"rank {dst}: picks missing or duplicated"
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("impl, granularity", [("staged", "token"), ("fused", "token"),
-                                               ("fused", 32)])   # 32: chunks of 2 m-blocks
-@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", [
+# the layer's edge cases (R, tokens per rank, experts per rank, share of -1 picks, routing,
+# what it stresses), shared by the fp8 and the fp4w layer tests
+EDGE_CASES = [
     (1, [1], 4, 0.0, None, "T=1, R=1"),
     (2, [19, 0], 3, 0.2, None, "rank with zero tokens, -1 picks, 3 experts per rank"),
     (2, [24, 11], 4, 0.0, lambda r, T: torch.stack([torch.full((T,), 5), torch.full((T,), 1)],
@@ -163,7 +162,13 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
                                                        "others receive none"),
     (3, [7, 24, 1], 5, 0.1, None, "3 ranks, 5 experts per rank, T not a multiple of BM"),
     (2, [6, 9], 4, 0.0, lambda r, T: torch.full((T, 2), -1), "every pick -1: y is exactly 0"),
-])
+]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("impl, granularity", [("staged", "token"), ("fused", "token"),
+                                               ("fused", 32)])   # 32: chunks of 2 m-blocks
+@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", EDGE_CASES)
 def test_fp8_layer_matches_the_quantized_reference(device, gen, impl, granularity, R, Ts,
                                                     e_per_rank, drop, routing, label):
     cfg = fp8_config(num_experts=R * e_per_rank)
@@ -347,15 +352,7 @@ def check_tuned_fp4w_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=No
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", [
-    (1, [1], 4, 0.0, None, "T=1, R=1"),
-    (2, [19, 0], 3, 0.2, None, "rank with zero tokens, -1 picks, 3 experts per rank"),
-    (2, [24, 11], 4, 0.0, lambda r, T: torch.stack([torch.full((T,), 5), torch.full((T,), 1)],
-                                                   1), "all tokens to two experts; the "
-                                                       "others receive none"),
-    (3, [7, 24, 1], 5, 0.1, None, "3 ranks, 5 experts per rank, T not a multiple of BM"),
-    (2, [6, 9], 4, 0.0, lambda r, T: torch.full((T, 2), -1), "every pick -1: y is exactly 0"),
-])
+@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", EDGE_CASES)
 def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_rank, drop,
                                                      routing, label):
     # the default tuning: pieces of min(64, block_m) = 16 rows, one per m-block
