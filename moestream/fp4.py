@@ -1,9 +1,10 @@
 """Launchers of the standalone MXFP4-weight ("fp4w") grouped GEMMs (moestream/kernels/gemm_fp4.py:
 formats, legend, numerics). Activations are fp8 e4m3 with one fp32 scale per row per 128
 channels, exactly as in moestream.fp8; weights are MXFP4 as ``quant.convert_expert_weights_mxfp4``
-writes them. Not wired into the layer yet: one launch per GEMM over a pool of block_m-row blocks
-described by block_meta (expert * 512 + valid_m, ``fp8.pack_block_meta``). Works on the CPU
-(Triton's interpreter) and on GPUs (never run on one yet).
+writes them. One launch per GEMM over a pool of block_m-row blocks described by block_meta
+(expert * 512 + valid_m, ``fp8.pack_block_meta``); the layer (MoEConfig dtype "fp4w") runs the
+same row functions inside its own kernels. Works on the CPU (Triton's interpreter) and on GPUs
+(tested on an H200 in session 9, the PTX decode included).
 
 The activation tensors (pool_x_q / pool_x_scale, act_q / act_scale) and y may be row-strided
 views (last dimension contiguous), e.g. the values and the scales of one packed byte row

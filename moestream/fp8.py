@@ -1,7 +1,8 @@
 """Launchers of the standalone FP8 grouped GEMMs (moestream/kernels/gemm_fp8.py: formats,
-legend, numerics). Not wired into the layer yet: one launch per GEMM over a pool of block_m-row
-blocks described by block_meta (expert * 512 + valid_m, moestream.layout's encoding). Works on
-the CPU (Triton's interpreter) and on GPUs.
+legend, numerics): one launch per GEMM over a pool of block_m-row blocks described by
+block_meta (expert * 512 + valid_m, moestream.layout's encoding). The layer runs the same block
+functions inside its own kernels (moestream.stages). Works on the CPU (Triton's interpreter) and
+on GPUs.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 weight + fp8 re-quantization) and L2 (down projection). The twins of gemm_fp8.py with MXFP4
 weights instead of fp8 128x128 blocks; activations are fp8 exactly as there. The block functions
 take the same arguments as gemm_fp8's (row strides included) so that the layer can swap them
-in; the kernels below are standalone (no waits, no peers; launchers: moestream/fp4.py). Not
-wired into the layer (moestream.stages / fused.py) yet.
+in; the kernels below are standalone (no waits, no peers; launchers: moestream/fp4.py). The
+layer's staged L1/L2 (kernels/gemm.py, constexpr W4) call the row-piece forms
+``l1_fp4w_rows`` / ``l2_fp4w_rows``; the fused launch has no fp4w blocks.
 
 Legend (formats: moestream/quant.py, docs/quantization.md; P = blocks * BM):
     x_q [P, H] fp8 e4m3           pool rows; block m holds rows m*BM .. m*BM+BM-1, of which the
@@ -26,22 +27,26 @@ Legend (formats: moestream/quant.py, docs/quantization.md; P = blocks * BM):
 H and I are multiples of 128 (so a weight row's E8M0 codes of one 128-K step are one aligned
 uint32, loaded at once).
 
-Decode: Hopper has no FP4 MMA. Every e2m1 value (0, +-0.5 .. +-6) is exactly an e4m3 value,
-so each nibble becomes an e4m3 byte with integer ops (decode_e2m1_to_e4m3), bitcast to fp8, and
-the MMA is the fp8 one (QGMMA ... E4M3.E4M3 on sm_90a) with fp32 accumulation. The decoded
-tile goes through shared memory to the MMA (Triton stages it).
+Decode: Hopper has no FP4 MMA. Every e2m1 value times 2**-6 is an e4m3 value with the same
+bits in the same places (``place_e2m1_pairs``), so each nibble becomes an e4m3 byte with two
+shifts and masks (in PTX on four bytes per register on GPUs), bitcast to fp8; the MMA is the
+fp8 one (QGMMA ... E4M3.E4M3 on sm_90a at BM >= 64; at BM = 16 Triton widens the e4m3 values
+to fp16, exactly, for warp MMAs) with fp32 accumulation. The decoded tile goes through shared
+memory to the MMA (Triton stages it).
 
 GEMM: the K loop steps by BK = 128 (one activation scale per row); each step is four k=32 fp8
-dots, one per MXFP4 block (the weight scale changes every 32 K elements, per output column),
-each scaled and added to the fp32 accumulator as gemm_fp8 does per 128:
+dots, one per MXFP4 block (the weight scale changes every 32 K elements, per output column):
 
-    acc += dot(x_q[:, 32j:32j+32], w_q[:, 32j:32j+32]^T) * (x_scale[:, k] (x) 2**e_w[:, 4k+j])
+    blk = sum_j dot(x_q[:, 32j:32j+32], w_q'[:, 32j:32j+32]^T) * (2 * 2**e_w[:, 4k+j])
+    acc += blk * (x_scale[:, k] * 32)
 
-Each dot sums 32 exact fp8 products in fp32 and the power-of-two factor is exact, so this is the
-dequantized product up to fp32 rounding (about the fp8 kernels' error). Folding 2**e into the
-decoded e4m3 values instead (one k=128 dot per step, a quarter of the scaling work) is exact
-only while a row's four exponents of a step span <= 14 binades (e4m3 holds e2m1 * 2**d exactly
-for d in [-8, 6]); it would need a per-tile check and fallback, so it is not done (see
+with w_q' = 2**-6 x the weights (the decode) and 2 * 2**e the E8M0 decode (``e8m0_twice``);
+2**6 / 2 = 32 goes back through the activation scale. Each dot sums 32 exact fp8 products in
+fp32 and every factor is a power of two, so this is the dequantized product up to fp32 rounding
+(about the fp8 kernels' error). Folding 2**e into the decoded e4m3 values instead (one k=128
+dot per step, a quarter of the scaling work) is exact only while a row's four exponents of a
+step span <= 14 binades (e4m3 holds e2m1 * 2**d exactly for d in [-8, 6]); it would need a
+per-tile check and fallback, so it is not done (see
 docs/quantization.md). Rows past valid_m are computed from whatever the pool holds there (rows
 are independent) and never stored; a block with valid_m = 0 does nothing. Grid (column blocks,
 row blocks).
