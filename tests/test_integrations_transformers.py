@@ -43,6 +43,9 @@ transformers = pytest.importorskip(
     "(pip install transformers)")
 
 TOL = 2e-2
+# fp4w experts (MXFP4, ~0.2 relative error per expert output on random weights) against the
+# bf16 model's logits: seen 4.8e-2 to 5.6e-2 (qwen3_moe, 4 seeds); a scale off by 2 is ~1
+LOGITS_FP4W = 0.15
 H, I_MOE = HIDDEN, EXPERT_WIDTH
 
 
@@ -117,21 +120,25 @@ def test_logits_match_and_a_wrong_expert_does_not(family, gen):
         f"{family}: swapping two experts' weights went unnoticed by the comparison"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_fp8_experts_match_the_quantized_reference(family, gen):
+@pytest.mark.parametrize("family, fmt", [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"),
+                                         ("qwen3_moe", "fp4w")])
+def test_quantized_experts_match_the_quantized_reference(family, fmt, gen):
     # dtype=float8_e4m3fn: the experts are quantized at conversion (128x128 block scales) and
-    # run the fp8 layer. The experts module against moe_forward(quant="fp8") on the module's
-    # own fp8 weights (like with like: TOLERANCE["fp8"]); the logits against the bf16 model
-    # only loosely (seen 1.6e-2 to 4.4e-2 over qwen3, deepseek_v3 and mixtral, 3 seeds each)
+    # run the fp8 layer; dtype=float4_e2m1fn_x2: to MXFP4 (E8M0 per 32), the fp4w layer. The
+    # experts module against moe_forward(quant=fmt) on the module's own quantized weights (like
+    # with like: TOLERANCE[fmt]); the logits against the bf16 model only loosely (fp8: seen
+    # 1.6e-2 to 4.4e-2 over qwen3, deepseek_v3 and mixtral, 3 seeds each; fp4w: LOGITS_FP4W)
     from moestream.reference import moe_forward
     from moestream.testing import TOLERANCE
     model = _model(family, gen, single_moe_layer=True)
     ids = _ids(gen)
     with torch.no_grad():
         before = model(ids).logits
-    replace_moe_blocks(model, block_m=16, dtype=torch.float8_e4m3fn)
+    dtype = torch.float8_e4m3fn if fmt == "fp8" else torch.float4_e2m1fn_x2
+    replace_moe_blocks(model, block_m=16, dtype=dtype)
     experts = _blocks(model)[-1].experts
-    assert experts.moe.w13.dtype == torch.float8_e4m3fn and experts.moe.config.dtype == "fp8"
+    assert experts.moe.config.dtype == fmt
+    assert experts.moe.w13.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.uint8)
     x = torch.randn(12, H, generator=gen).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:experts.top_k]
                        for _ in range(12)])
@@ -139,11 +146,12 @@ def test_fp8_experts_match_the_quantized_reference(family, gen):
     with torch.no_grad():
         got = experts(x, idx, w)
     w13, w2 = experts.moe.experts()
-    ref = moe_forward(x, idx, w, w13, w2, quant="fp8")
-    assert rel_error(got, ref) < TOLERANCE["fp8"]
+    ref = moe_forward(x, idx, w, w13, w2, quant=fmt)
+    assert rel_error(got, ref) < TOLERANCE[fmt]
     with torch.no_grad():
         after = model(ids).logits
-    assert rel_error(after, before) < 0.1
+    print(f"{family} {fmt}: logits vs the bf16 model {rel_error(after, before):.2e}")
+    assert rel_error(after, before) < (0.1 if fmt == "fp8" else LOGITS_FP4W)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -398,7 +406,7 @@ def test_unknown_moe_block_is_named_and_nothing_changes(gen):
 
 def test_bad_arguments_and_unsupported_blocks(gen):
     block = _qwen3_block(gen)
-    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16, torch.float8_e4m3fn"):
         replace_moe_blocks(block, dtype=torch.float16)
     with pytest.raises(ValueError, match="buffer_tokens must be a positive int"):
         replace_moe_blocks(block, buffer_tokens=0)

@@ -183,7 +183,8 @@ class MegaMoEExperts(nn.Module):
     Attributes:
         moe: the ``MegaMoE`` (its ``w13`` [E/R, 2I, H] and ``w2`` [E/R, H, I] bf16 hold the
             experts ``moe.expert_range``, or e4m3 with ``w13_scale_inv`` / ``w2_scale_inv``
-            for dtype=torch.float8_e4m3fn; ``moe.buffer`` its communication buffer).
+            for dtype=torch.float8_e4m3fn, or MXFP4 uint8 with ``w13_scale`` / ``w2_scale``
+            for dtype=torch.float4_e2m1fn_x2; ``moe.buffer`` its communication buffer).
         num_experts: E over all ranks.
         source: the class name of the block this replaced the experts of.
     """
@@ -433,16 +434,18 @@ def _agree(plans: list[_Plan], error: ValueError | None, group, ranks: int) -> N
 def _convert(plan: _Plan, *, group) -> None:
     moe = MegaMoE(plan.config, group=group, device=plan.device)
     w13, w2 = plan.layout.extract(plan.block.experts, moe.expert_range)
-    if plan.config.dtype == "fp8":
-        from ..quant import convert_expert_weights_fp8
+    if plan.config.fp8_tokens:   # fp8 / fp4w: quantized here, a few experts at a time
+        from ..quant import convert_expert_weights_fp8, convert_expert_weights_mxfp4
+        fp8 = plan.config.dtype == "fp8"
+        convert = convert_expert_weights_fp8 if fp8 else convert_expert_weights_mxfp4
+        scales = ("w13_scale_inv", "w2_scale_inv") if fp8 else ("w13_scale", "w2_scale")
         step = 8   # experts quantized at a time: bounds the fp32 temporaries
         for e in range(0, w13.shape[0], step):
-            q = convert_expert_weights_fp8(w13[e:e + step].to(plan.device),
-                                           w2[e:e + step].to(plan.device))
+            q = convert(w13[e:e + step].to(plan.device), w2[e:e + step].to(plan.device))
             moe.w13[e:e + step].copy_(q["w13"])
             moe.w2[e:e + step].copy_(q["w2"])
-            moe.w13_scale_inv[e:e + step].copy_(q["w13_scale_inv"])
-            moe.w2_scale_inv[e:e + step].copy_(q["w2_scale_inv"])
+            for name in scales:
+                getattr(moe, name)[e:e + step].copy_(q[name])
     else:
         moe.w13.copy_(w13)
         moe.w2.copy_(w2)
@@ -459,8 +462,10 @@ def _convert(plan: _Plan, *, group) -> None:
             block)
 
 
-# replace_moe_blocks' dtype -> MoEConfig.dtype
+# replace_moe_blocks' dtype -> MoEConfig.dtype (MXFP4 where this torch has the fp4 dtype)
 _FORMATS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+if hasattr(torch, "float4_e2m1fn_x2"):
+    _FORMATS[torch.float4_e2m1fn_x2] = "fp4w"
 
 
 def _plan_all(model: nn.Module, *, dtype: torch.dtype, buffer_tokens: int | None,
@@ -470,8 +475,9 @@ def _plan_all(model: nn.Module, *, dtype: torch.dtype, buffer_tokens: int | None
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     fmt = _FORMATS.get(dtype)
     if fmt is None:
-        raise ValueError(f"dtype must be torch.bfloat16 or torch.float8_e4m3fn (fp8 experts, "
-                         f"DeepSeek-V3 block scales), got {dtype}")
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float8_e4m3fn (fp8 experts, "
+                         f"DeepSeek-V3 block scales) or torch.float4_e2m1fn_x2 (MXFP4 experts), "
+                         f"got {dtype}")
     if buffer_tokens is None:
         buffer_tokens = DEFAULT_BUFFER_TOKENS
     if isinstance(buffer_tokens, bool) or not isinstance(buffer_tokens, int) or buffer_tokens <= 0:
@@ -520,7 +526,10 @@ def replace_moe_blocks(model: nn.Module, *, group=None, dtype: torch.dtype = tor
         dtype: the experts' format: torch.bfloat16, or torch.float8_e4m3fn to quantize them
             at conversion to fp8 with 128x128 block scales (DeepSeek-V3's format) and run the
             fp8 layer (tokens quantized per 128 channels before they cross NVLink;
-            docs/quantization.md). The model's experts must hold float weights.
+            docs/quantization.md), or torch.float4_e2m1fn_x2 to quantize them to MXFP4
+            (e2m1 pairs, one E8M0 scale per 32 along K) and run the fp4w layer (fp8 tokens;
+            half fp8's weight memory, slower than fp8 on H200, docs/quantization.md). The
+            model's experts must hold float weights.
         buffer_tokens: most tokens (batch x sequence) one rank passes to one MoE block per
             forward; each block's buffers are sized for it. Default ``DEFAULT_BUFFER_TOKENS``.
             With one rank longer inputs are split into chunks; with several it is an error.
