@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_routing", "check_topk_range", "check_expert_weights",
-           "check_expert_weights_fp8", "check_expert_weights_fp4w", "INDEX_DTYPES"]
+           "check_expert_weights_fp8", "check_expert_weights_fp4w", "check_e8m0_codes",
+           "INDEX_DTYPES"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -127,6 +128,16 @@ def check_expert_weights_fp8(w13: object, w2: object, *, experts: int, hidden: i
 MAX_E8M0 = 253   # the largest E8M0 code the fp4w GEMMs decode (moestream/kernels/gemm_fp4.py)
 
 
+def check_e8m0_codes(name: str, scales: torch.Tensor) -> None:
+    """Every E8M0 code of ``scales`` (uint8) is at most MAX_E8M0: the fp4w GEMMs decode code c
+    as 2**(c - 126) with one add and a shift, which gives inf for 254 and -0.0 for 255. Reads
+    the values (a device synchronisation)."""
+    if scales.numel() and int(scales.max()) > MAX_E8M0:
+        raise ValueError(f"{name} holds E8M0 codes above {MAX_E8M0} (254 = 2**127, 255 = NaN), "
+                         f"which the kernels do not decode; quant.quantize_weight_mxfp4 writes "
+                         f"at most 252 for finite weights")
+
+
 def check_expert_weights_fp4w(w13: object, w2: object, *, experts: int, hidden: int,
                               intermediate: int, device: torch.device | None = None,
                               prefix: str = "", codes: bool = False) -> None:
@@ -150,7 +161,5 @@ def check_expert_weights_fp4w(w13: object, w2: object, *, experts: int, hidden: 
         if t.data_ptr() % 16:   # the kernels load them with 16-byte alignment hints
             raise ValueError(f"{name} must start at a 16-byte aligned address (torch "
                              f"allocations are), got data_ptr % 16 = {t.data_ptr() % 16}")
-        if codes and "scales" in name and t.numel() and int(t.max()) > MAX_E8M0:
-            raise ValueError(f"{name} holds E8M0 codes above {MAX_E8M0} (254 = 2**127, 255 = "
-                             f"NaN), which the kernels do not decode; quant.quantize_weight_mxfp4 "
-                             f"writes at most 252 for finite weights")
+        if codes and "scales" in name:
+            check_e8m0_codes(name, t)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import MAX_E8M0 as CHECKED_E8M0
+from .checks import MAX_E8M0 as CHECKED_E8M0, check_e8m0_codes
 from .fp8 import (_act_out, _check_meta, _dims, _launch_kw, _pool_blocks, _pow2, _tensor,
                   _y_out, pack_block_meta)
 from .kernels._common import INTERPRET
@@ -52,14 +52,6 @@ def _word_aligned(name, t):
     if t.data_ptr() % 4:
         raise ValueError(f"{name} must start at a 4-byte aligned address (its codes are read "
                          f"4 at a time), got data_ptr % 4 = {t.data_ptr() % 4}")
-
-
-def _check_codes(name, scales, validate):
-    # the GEMMs decode E8M0 code c as 2**(c - 126) with one add and a shift (exact up to 253)
-    if validate and scales.numel() and int(scales.max()) > MAX_E8M0:
-        raise ValueError(f"{name} holds E8M0 codes above {MAX_E8M0} (254 = 2**127, 255 = NaN), "
-                         f"which the kernels do not decode; quant.quantize_weight_mxfp4 writes at "
-                         f"most 252 for finite weights")
 
 
 def _check_hi(H, I):
@@ -114,7 +106,8 @@ def l1_fp4w(*, pool_x_q: torch.Tensor, pool_x_scale: torch.Tensor, block_meta: t
     _tensor("w13_packed", w13_packed, dtype=_U8, shape=(E, 2 * I, H // 2), device=dev)
     _tensor("w13_scale", w13_scale, dtype=_U8, shape=(E, 2 * I, H // MXFP4_BLOCK), device=dev)
     _word_aligned("w13_scale", w13_scale)
-    _check_codes("w13_scale", w13_scale, validate)
+    if validate:
+        check_e8m0_codes("w13_scale", w13_scale)
     _tensor("pool_weight", pool_weight, dtype=torch.float32, shape=(P,), device=dev)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
     act_q, act_scale = _act_out(act_q, act_scale, P, I, dev)
@@ -170,7 +163,8 @@ def l2_fp4w(*, act_q: torch.Tensor, act_scale: torch.Tensor, block_meta: torch.T
     _tensor("w2_packed", w2_packed, dtype=_U8, shape=(E, H, I // 2), device=dev)
     _tensor("w2_scale", w2_scale, dtype=_U8, shape=(E, H, I // MXFP4_BLOCK), device=dev)
     _word_aligned("w2_scale", w2_scale)
-    _check_codes("w2_scale", w2_scale, validate)
+    if validate:
+        check_e8m0_codes("w2_scale", w2_scale)
     _check_meta(block_meta, nblk, block_m, E, dev, validate)
     y = _y_out(y, out_dtype, P, H, dev)
     y_stride = _rows("y", y, dtype=y.dtype, shape=(P, H), device=dev)

@@ -348,14 +348,24 @@ class Tuning:
         return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
 
     def fp4w_pieces(self, cfg) -> int:
-        """Rows per piece of an fp4w block (fp4w_rows, at most block_m; 0 in other modes)."""
+        """Rows per piece of an fp4w block (fp4w_rows, at most block_m; both powers of two, so
+        it divides block_m; 0 in other modes)."""
         if cfg.dtype != "fp4w":
             return 0
         rows = min(self.fp4w_rows, cfg.block_m)
-        if cfg.block_m % rows:
-            raise ValueError(f"Tuning.fp4w_rows={self.fp4w_rows} must divide "
-                             f"block_m={cfg.block_m}")
+        if rows < cfg.block_m and self.l2_signal != "rank":
+            raise ValueError(f"Tuning.fp4w_rows={self.fp4w_rows} below block_m={cfg.block_m} "
+                             f"needs Tuning.l2_signal='rank' (row pieces of an m-block cannot "
+                             f"release its rows' combine flags)")
         return rows
+
+    def check(self, cfg) -> None:
+        """Every config-dependent rule of this tuning (ValueError), so that a staged call
+        fails before its first launch rather than between stages."""
+        self.l1_tile(cfg)
+        self.l2_tile(cfg)
+        self.decode_pieces(cfg)
+        self.fp4w_pieces(cfg)
 
     def decode_pieces(self, cfg) -> int:
         """decode_rows checked against the config (0: off)."""
@@ -634,9 +644,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     w4 = tuning.fp4w_pieces(cfg)
     tma = tuning.tma(buffer) and not w4
     dm = 0 if w4 else tuning.decode_pieces(cfg)
-    pieces = dm or w4   # row pieces inside a block: only the rank signal
-    if pieces and tuning.l2_signal != "rank" and pieces < cfg.block_m:
-        raise ValueError("fp4w row pieces smaller than block_m need Tuning.l2_signal='rank'")
+    pieces = dm or w4   # row pieces inside a block (fp4w_pieces checks the signal)
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
@@ -688,6 +696,7 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
     ``on_stage(name)``, if given, is called after each stage's launches are queued (names:
     ``STAGES``), e.g. to record CUDA events between them (``bench_ep.stage_times``)."""
     tuning = tuning or Tuning.for_call(buffer, max(x.shape[0] for x in xs))
+    tuning.check(buffer.config)
     mark = on_stage or (lambda name: None)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)

@@ -396,3 +396,17 @@ def test_fp4w_input_errors(gen):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
     with pytest.raises(ValueError, match="fp4w_rows"):
         stages.Tuning(fp4w_rows=48)
+    # pieces smaller than block_m cannot release their rows' combine flags: the rank signal is
+    # required, checked before the first launch, so the buffer serves the next call
+    cfg32 = fp8_config(num_experts=4, dtype="fp4w", block_m=32)
+    buf32 = SymmBuffer(cfg32, num_ranks=2, device="cpu")
+    xs, idxs, ws, w13q, w2q = make_case(cfg32, [4, 4], gen, "cpu")
+    epochs = [int(buf32.view("epoch", r)[0]) for r in range(2)]
+    with pytest.raises(ValueError, match="l2_signal='rank'"):
+        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32,
+                         tuning=stages.Tuning(fp4w_rows=16, l2_signal="rows"))
+    assert [int(buf32.view("epoch", r)[0]) for r in range(2)] == epochs   # nothing launched
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32, tuning=stages.Tuning(fp4w_rows=16))
+    check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg32.hidden, quant="fp4w")
+    with pytest.raises(ValueError, match="fmt must be 'fp8' or 'fp4w'"):
+        quantize_weights(w13s, w2s, fmt="fp4")

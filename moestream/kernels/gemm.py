@@ -262,8 +262,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
     act_s = aligned_peer_ptr(table, rank, off_pool_act + I, tl.float32)
     if W4:
-        BMT: tl.constexpr = BM // SPLIT_M
-        tl.static_assert(W4 == BMT or not SIGNAL_ROWS, "fp4w row pieces: rank signal")
+        BMT: tl.constexpr = BM // SPLIT_M   # l2_epilogue asserts pieces < BM do not signal rows
         vm = meta & 511
         for r0 in range(sub * BMT, tl.minimum(vm, sub * BMT + BMT), W4):
             acc = l2_fp4w_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4,

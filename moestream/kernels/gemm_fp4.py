@@ -57,7 +57,6 @@ from ._common import INTERPRET, tl, triton
 from .gemm_fp8 import l1_fp8_epilogue, store_pool_rows
 
 ACT_GROUP = tl.constexpr(128)   # K elements per activation scale: the K step
-BK_STEP = ACT_GROUP
 MX_BLOCK = tl.constexpr(32)     # K elements per E8M0 weight scale: one dot
 
 
@@ -142,7 +141,7 @@ def mx_step(a_ptrs, w_ptrs_packed, words):
     dot_j x 2 * 2**e_w[:, j] ([BM, BN] fp32). Triton waits for each dot before its scaling
     (a fresh fp32 result, not a chained accumulator), so the chunks run one after another."""
     blk = mx_dot(a_ptrs, w_ptrs_packed, 0) * mx_scale(words, 0)
-    for j in tl.static_range(1, BK_STEP // MX_BLOCK):
+    for j in tl.static_range(1, ACT_GROUP // MX_BLOCK):
         blk += mx_dot(a_ptrs, w_ptrs_packed, j) * mx_scale(words, j)
     return blk
 
