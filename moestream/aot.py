@@ -185,6 +185,9 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             if ranks == 1:   # the staged launches with programmatic dependent launch (option)
                 label[0] = " pdl"
                 stages.run_staged(*args, tuning=replace(tuning, pdl=True))
+                label[0] = " tail"   # tail pieces in both GEMMs (Tuning.for_call's mid sizes)
+                stages.run_staged(*args, tuning=replace(tuning, l1_tail_rows=32,
+                                                        l2_tail_rows=32))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = ""
@@ -200,6 +203,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
         label[0] = " fp8 decode"
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
+        label[0] = " fp8 tail"
+        stages.run_staged(*args, tuning=replace(tuning8, l1_tail_rows=32, l2_tail_rows=32))
         # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces
         cfg4 = cfg.with_(dtype="fp4w")
         buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")

@@ -40,6 +40,8 @@ Providers, measured in the same run on the same inputs:
                   the same split measured inside a CUDA graph replay (``graph_stage_times``:
                   timing events captured as graph nodes, the timed call right behind an
                   untimed one), so the stages add up to the staged-graph time.
+    staged-tuned-graph-stages, fp8-staged-tuned-graph-stages
+                  that split with the ``tuning`` overrides of the -tuned-graph providers.
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -62,7 +64,8 @@ PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-sta
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
              "fp8-staged-stages", "staged-graph-stages", "fp8-staged-graph-stages",
              "staged-tuned-graph", "fp8-staged-tuned-graph", "fp4w-staged", "fp4w-staged-graph",
-             "fp4w-staged-stages", "fp4w-staged-graph-stages", "fp4w-staged-tuned-graph")
+             "fp4w-staged-stages", "fp4w-staged-graph-stages", "fp4w-staged-tuned-graph",
+             "staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -93,7 +96,7 @@ def _granularity(provider: str) -> int | str | None:
 
 def _tuned(provider: str) -> bool:
     """Providers that run with ``tuning`` overrides."""
-    return provider.endswith("-tuned-graph")
+    return provider.endswith(("-tuned-graph", "-tuned-graph-stages"))
 
 
 def check_providers(providers: Sequence[str], tuning: dict | None = None) -> None:
@@ -258,14 +261,19 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     return _stage_summary(per_stage, totals, reps, "cuda_graph_events")
 
 
-def _staged_call(buf, a, weights, mark) -> torch.Tensor:
+def _staged_call(buf, a, weights, mark, overrides: dict | None = None) -> torch.Tensor:
     """One staged layer call on this rank's real buffer, inputs ``a`` = (x, topk_idx,
     topk_weights) as ``_inputs`` makes them (valid and contiguous), with ``mark`` as
-    ``run_staged``'s on_stage."""
+    ``run_staged``'s on_stage; ``overrides``: ``stages.Tuning`` fields on top of the call's
+    defaults."""
     from . import stages
     x = a[0]
     y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
-    stages.run_staged(buf, [x], [a[1]], [a[2]], [weights[0]], [weights[1]], y, on_stage=mark)
+    tuning = None
+    if overrides:
+        tuning = replace(stages.Tuning.for_call(buf, x.shape[0]), **overrides)
+    stages.run_staged(buf, [x], [a[1]], [a[2]], [weights[0]], [weights[1]], y, on_stage=mark,
+                      tuning=tuning)
     return y
 
 
@@ -383,8 +391,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                         calls[p] = ours("fused", _granularity(p))
                     if _stagewise(p):   # stages.run_staged with an on_stage hook
                         b, ws = qbuf[_dtype(p)] if _dtype(p) != "bf16" else (buf, (w13, w2))
-                        calls[p] = (lambda a, mark=None, b=b, ws=ws: _staged_call(
-                            b, a, ws, mark))
+                        over = tuning if _tuned(p) else None
+                        calls[p] = (lambda a, mark=None, b=b, ws=ws, over=over: _staged_call(
+                            b, a, ws, mark, over))
                 # agreement check on the first input set before timing anything; the first
                 # call of a provider also compiles its kernels (reported, so a slow compile is
                 # never mistaken for a hang)

@@ -397,10 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
                         "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
                         "staged-graph-stages, fp8-staged-graph-stages (the same in a graph), "
-                        "staged-tuned-graph, fp8-staged-tuned-graph (with --tuning)")
+                        "staged-tuned-graph, fp8-staged-tuned-graph, and their -stages "
+                        "forms (with --tuning)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--tuning", default="",
-                   help="stages.Tuning overrides of the *-tuned-graph providers, e.g. "
+                   help="stages.Tuning overrides of the *-tuned-graph(-stages) providers, e.g. "
                         "pdl=true,l1_block_n=128 (on top of each call's defaults)")
     b.add_argument("--virtual-ranks", type=int, default=0,
                    help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")

@@ -25,7 +25,7 @@ from .layout import DIAG_FIELDS
 
 __all__ = ["Tuning", "publish", "layout", "dispatch", "l1", "l2", "combine", "fused",
            "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm",
-           "pick_slots", "decode_rows_for"]
+           "pick_slots", "decode_rows_for", "tail_rows_for"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -49,6 +49,28 @@ def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
     if block_m % 16 == 0 and mean + 3 * mean ** 0.5 + 1 <= 32:
         return 16
     return 0
+
+
+def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_m: int,
+                  dtype: str, l2_split_m: int = 1) -> tuple[int, int]:
+    """(``Tuning.l1_tail_rows``, ``l2_tail_rows``) for a staged call that is not decode-sized,
+    from the mean rows per expert under uniform routing (tokens * ranks * top_k /
+    num_experts). Measured on 2x H200 (benchmarks/NOTES.md, session 10; per-stage A/B in one
+    run): fp8 at 32-256 rows per expert gains most in its L2 (its 64-row pieces: an empty
+    second piece is skipped; dsv3 at 512 tokens L2 865 -> 545 µs, qwen3 at 2048 185 -> 165)
+    and in its L1 at 32 rows (1266 -> 1167), and breaks even at 128 rows (dsv3 at 2048); so
+    fp8 takes both up to 2 * block_m rows. bf16 gains 3-8 % in its L1 at 32-64 rows and
+    nothing (or loses its flat L2 loop) beyond, so it takes L1 tail pieces up to block_m / 2
+    rows. 32-row pieces (16 where 32 does not divide the piece), off for fp4w."""
+    mean = tokens * ranks * top_k / max(num_experts, 1)
+
+    def rows(piece: int) -> int:
+        return 32 if piece % 32 == 0 else (16 if piece % 16 == 0 else 0)
+    if dtype == "fp8" and mean <= 2 * block_m:
+        return rows(block_m), rows(block_m // l2_split_m)
+    if dtype == "bf16" and mean <= block_m / 2:
+        return rows(block_m), 0
+    return 0, 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,15 @@ class Tuning:
         on for calls whose experts expect few rows (``decode_rows_for``). Must divide
         block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and l2_split_m
         do not apply); the fused launch ignores it.
+    l1_tail_rows, l2_tail_rows: 0 (off), 16 or 32: tail pieces. The staged L1 (L2) computes
+        a block (L2: a row piece of block_m / l2_split_m rows) that holds at most this many
+        valid rows as one decode piece of that many rows (the weights as the MMA row operand,
+        as decode_rows does), and every fuller block as the usual tile; an L2 row piece
+        without valid rows computes nothing. Under uniform routing about half of the experts
+        end in such a partly filled m-block once calls reach ~block_m rows per expert (dsv3 at
+        2048 tokens: ~1.5 m-blocks per expert, each costing a whole tile). Does not apply with
+        decode_rows (decode pieces cover those blocks already) or fp4w. Must divide block_m
+        (L2: block_m / l2_split_m); the L2's need l2_signal "rank" and run its plain loop.
     fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
         "fp4w" computes each block's valid rows in pieces of this many rows, each piece
         decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).
@@ -166,6 +197,8 @@ class Tuning:
     pdl: bool = False
     l2_split_m: int = 1
     decode_rows: int = 0
+    l1_tail_rows: int = 0
+    l2_tail_rows: int = 0
     fp4w_rows: int = 64
 
     @classmethod
@@ -214,9 +247,10 @@ class Tuning:
 
         Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
         GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
-        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Otherwise L1
-        column blocks are narrowed when a call touches so few experts that 128-wide blocks
-        leave SMs idle (each block then streams its weights alone)."""
+        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Larger staged
+        calls run tail pieces (``tail_rows_for``). bf16 L1 column blocks are narrowed when a
+        call touches so few experts that 128-wide blocks leave SMs idle (each block then
+        streams its weights alone)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
         if not sms:
@@ -226,6 +260,12 @@ class Tuning:
                              num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
         if dm:
             return t.decode(dm, cfg)
+        if decode:
+            l1_tail, l2_tail = tail_rows_for(tokens=tokens, ranks=buffer.num_ranks,
+                                             top_k=cfg.top_k, num_experts=cfg.num_experts,
+                                             block_m=cfg.block_m, dtype=cfg.dtype,
+                                             l2_split_m=t.l2_split_m)
+            t = replace(t, l1_tail_rows=l1_tail, l2_tail_rows=l2_tail)
         if cfg.fp8_tokens:   # fp8 / fp4w: a block quantizes 128 columns
             return t
         # under uniform routing a rank receives about tokens * top_k picks
@@ -299,6 +339,13 @@ class Tuning:
         if self.decode_rows and self.l2_signal != "rank":
             raise ValueError("Tuning.decode_rows needs l2_signal='rank' (decode pieces of an "
                              "m-block cannot release its rows' combine flags)")
+        for name in ("l1_tail_rows", "l2_tail_rows"):
+            v = getattr(self, name)
+            if type(v) is not int or v not in (0, 16, 32):
+                raise ValueError(f"Tuning.{name} must be 0 (off), 16 or 32, got {v!r}")
+        if self.l2_tail_rows and self.l2_signal != "rank":
+            raise ValueError("Tuning.l2_tail_rows needs l2_signal='rank' (tail pieces of an "
+                             "m-block cannot release its rows' combine flags)")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"Tuning.pdl must be a bool, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
@@ -365,6 +412,8 @@ class Tuning:
         self.l1_tile(cfg)
         self.l2_tile(cfg)
         self.decode_pieces(cfg)
+        self.tail_pieces(cfg, "l1")
+        self.tail_pieces(cfg, "l2")
         self.fp4w_pieces(cfg)
 
     def decode_pieces(self, cfg) -> int:
@@ -372,6 +421,19 @@ class Tuning:
         dm = self.decode_rows
         if dm and cfg.block_m % dm:
             raise ValueError(f"Tuning.decode_rows={dm} must divide block_m={cfg.block_m}")
+        return dm
+
+    def tail_pieces(self, cfg, gemm: str) -> int:
+        """l1_tail_rows / l2_tail_rows (``gemm`` "l1" / "l2") checked against the config: the
+        rows of a tail piece, 0 where tail pieces do not apply (off, decode_rows set, fp4w)."""
+        dm = self.l1_tail_rows if gemm == "l1" else self.l2_tail_rows
+        if not dm or self.decode_rows or cfg.dtype == "fp4w":
+            return 0
+        piece = cfg.block_m // (self.l2_split_m if gemm == "l2" else 1)
+        if piece % dm:
+            raise ValueError(f"Tuning.{gemm}_tail_rows={dm} must divide the {gemm.upper()} row "
+                             f"piece of {piece} rows (block_m={cfg.block_m}"
+                             + (f", l2_split_m={self.l2_split_m})" if gemm == "l2" else ")"))
         return dm
 
     def tma(self, buffer: SymmBuffer) -> bool:
@@ -614,9 +676,10 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     bn, bk = tuning.l1_tile(cfg)
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)
-    dm = 0 if w4 else tuning.decode_pieces(cfg)
+    tail = tuning.tail_pieces(cfg, "l1")
+    dm = 0 if w4 else (tuning.decode_pieces(cfg) or tail)
     # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower), except
-    # in decode pieces, whose accumulators are small; fp4w: pointer loads
+    # in decode and tail pieces, whose accumulators are small; fp4w: pointer loads
     tma = tuning.tma(buffer) and (not fp8 or dm > 0) and not w4
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
@@ -626,8 +689,8 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, **tuning.pdl_args(buffer),
-              **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0,
+              **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)
@@ -643,8 +706,10 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)
     tma = tuning.tma(buffer) and not w4
-    dm = 0 if w4 else tuning.decode_pieces(cfg)
-    pieces = dm or w4   # row pieces inside a block (fp4w_pieces checks the signal)
+    tail = tuning.tail_pieces(cfg, "l2")
+    dm = 0 if w4 else (tuning.decode_pieces(cfg) or tail)
+    # row pieces inside a block (fp4w_pieces checks the signal); tail pieces keep the tiles
+    pieces = (dm and not tail) or w4
     _ensure_allocator(tma)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
@@ -660,7 +725,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               FLAT=(tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
                     and not pieces),
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if pieces else tuning.l2_split_m,
-              DM=dm, W4=w4,
+              DM=dm, W4=w4, TAIL=tail > 0,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),

@@ -5,12 +5,14 @@ Everything draws from a caller-supplied ``torch.Generator`` so a failing case ca
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .config import MoEConfig
 from .reference import route
 
-__all__ = ["make_routing", "make_tokens", "make_weights", "quantize_weights", "stamp_tokens",
+__all__ = ["make_routing", "routing_with_counts", "make_tokens", "make_weights", "quantize_weights", "stamp_tokens",
            "read_stamp", "rel_error", "TOLERANCE"]
 
 # Written tolerances of ||out - ref|| / ||ref|| against the fp32 reference, per activation dtype.
@@ -58,6 +60,25 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
         idx = idx.masked_fill(gone, -1)
         w = w.masked_fill(gone, 0.0)
     return idx.to(torch.int32).to(device), w.to(device)
+
+
+def routing_with_counts(counts: Sequence[int], num_tokens: Sequence[int], top_k: int, *,
+                        generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Per-rank topk_idx [T_r, K] int32 in which expert e receives exactly ``counts[e]`` picks
+    over all ranks (every other pick -1), each token's picks distinct, tokens shuffled across
+    ranks. Builds block fills on purpose (e.g. an expert ending in a 5-row m-block).
+    ``num_tokens``: T_r per rank; sum(counts) must fit sum(T_r) * K, each count sum(T_r)."""
+    n = sum(num_tokens)
+    if sum(counts) > n * top_k or any(c < 0 or c > n for c in counts):
+        raise ValueError(f"counts {list(counts)} do not fit {n} tokens x top_k={top_k} "
+                         f"(each count at most {n}, their sum at most {n * top_k})")
+    flat = torch.full((top_k * n,), -1, dtype=torch.int32)
+    seq = [e for e, c in enumerate(counts) for _ in range(c)]
+    flat[:len(seq)] = torch.tensor(seq, dtype=torch.int32)
+    # pick k of token t is flat[k * n + t]: an expert's picks are consecutive in flat and
+    # at most n long, so they never land twice on one token
+    idx = flat.view(top_k, n).T[torch.randperm(n, generator=generator)].contiguous()
+    return list(idx.split(list(num_tokens)))
 
 
 def make_tokens(num_tokens: int, hidden: int, *, generator: torch.Generator | None = None,

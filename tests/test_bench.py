@@ -244,12 +244,21 @@ def test_stage_providers_and_plot(tmp_path):
 def test_tuned_providers_and_their_overrides():
     # the *-tuned-graph providers run staged calls with stages.Tuning fields overridden;
     # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
-    from moestream.bench_ep import _dtype, _replayed, check_providers, parse_tuning
+    from moestream.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
+                                    parse_tuning)
     assert parse_tuning("pdl=true, l1_block_n=128,l2_signal=rows,use_tma=None") == {
         "pdl": True, "l1_block_n": 128, "l2_signal": "rows", "use_tma": None}
     assert parse_tuning("") == {}
     check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"pdl": True})
     assert _replayed("staged-tuned-graph") and _dtype("fp8-staged-tuned-graph") == "fp8"
+    # their stage splits: timed stage by stage inside a graph, with the overrides
+    check_providers(["staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"],
+                    {"l1_tail_rows": 32})
+    for p in ("staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"):
+        assert _tuned(p) and _stagewise(p) and not _replayed(p)
+    assert not _tuned("staged-graph-stages")
+    with pytest.raises(ValueError, match="need Tuning overrides"):
+        check_providers(["fp8-staged-tuned-graph-stages"])
     with pytest.raises(ValueError, match="need Tuning overrides"):
         check_providers(["staged-graph", "staged-tuned-graph"])
     for text, match in [("l1_blok_n=128", "unknown Tuning field 'l1_blok_n'"),
@@ -286,6 +295,12 @@ def test_stage_times_on_one_gpu(timer):
     y = _staged_call(buf, (x, idx, w), (w13, w2), None)
     buf.check()
     ref = moe_forward(x, idx, w, w13, w2)
+    assert rel_error(y, ref) <= TOLERANCE["bf16"]
+    # with overrides (the -tuned-graph-stages providers): ~12 rows per expert, so with
+    # decode pieces off most blocks are tail pieces of 16 rows (a few hold more rows)
+    y = _staged_call(buf, (x, idx, w), (w13, w2), None,
+                     {"l1_tail_rows": 16, "l2_tail_rows": 16, "decode_rows": 0})
+    buf.check()
     assert rel_error(y, ref) <= TOLERANCE["bf16"]
 
 

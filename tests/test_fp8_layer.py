@@ -195,12 +195,12 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
         check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(Ts))
 
 
-def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1) -> None:
+def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None) -> None:
     """One fp8 staged call with ``tuning`` on len(Ts) virtual ranks against the quantized
-    reference, buffer poisoned first."""
+    reference, buffer poisoned first (``routing`` as ``make_case`` takes it)."""
     buf = SymmBuffer(cfg, num_ranks=len(Ts), device=device)
     poison(buf)
-    xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop)
+    xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
     ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
 
@@ -268,6 +268,25 @@ def test_fp8_decode_pieces_of_a_full_block(device, gen):
     check_tuned_fp8_layer(fp8_config(num_experts=2, block_m=64, max_tokens_per_rank=64),
                           [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128),
                           gen, device, drop=0.05)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    # the GPU default's L2 (64-row pieces by descriptor, here 16-row ones): expert 0's 5-row
+    # tail is one piece and its empty second piece is skipped; expert 1's 20-row block
+    # splits into a full piece and a 4-row tail piece at row 16
+    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=True, l2_split_m=2,
+                  l2_block_n=128, l2_epilogue_split=2),
+    # pointer loads everywhere, whole 32-row L2 blocks, 256-wide L1 blocks
+    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=False, l1_block_n=256,
+                  wait=False, programs=3),
+], ids=["tma-split", "pointers-l1n256"])
+def test_fp8_tail_pieces(device, gen, tuning):
+    # fp8 L1 tail pieces re-quantize their rows like the usual tile; exact per-expert counts
+    # (test_kernels_virtual.TAIL_COUNTS) make sure both kinds of blocks occur
+    from test_kernels_virtual import TAIL_TOKENS, tail_routing
+    check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
+                          TAIL_TOKENS, tuning, gen, device, routing=tail_routing(gen))
 
 
 def test_fp8_is_close_to_the_bf16_layer(gen):

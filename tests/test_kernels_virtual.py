@@ -18,7 +18,7 @@ from moestream.reference import moe_forward_ranks
 from moestream.routing import pool_layout, pool_sources, source_slots
 from moestream.schedule import build_schedule, valid_m
 from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights, read_stamp,
-                               rel_error, stamp_tokens)
+                               rel_error, routing_with_counts, stamp_tokens)
 
 from conftest import KERNEL_DEVICES
 
@@ -483,13 +483,14 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 
 
-def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device) -> None:
-    """One staged call with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks) against the
-    reference, buffer poisoned first."""
+def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
+                      routing=None) -> None:
+    """One staged call with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks, or
+    ``routing`` as ``make_case`` takes it) against the reference, buffer poisoned first."""
     R = len(Ts)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
-    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1, routing=routing)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
@@ -539,6 +540,61 @@ def test_decode_pieces_of_a_full_block(device, gen):
                       gen, device)
 
 
+# Tail pieces (Tuning.l1_tail_rows / l2_tail_rows): block_m 32, two ranks of two experts,
+# exactly 37 / 52 / 14 / 0 picks per expert: expert 0 ends in a 5-row m-block (a tail piece),
+# expert 1 in a 20-row one (more than 16 rows: the usual tile, or with l2_split_m=2 a full
+# 16-row L2 piece and a 4-row tail piece at row 16), expert 2 is one 14-row block (a tail
+# piece), expert 3 gets none.
+TAIL_COUNTS = [37, 52, 14, 0]
+TAIL_TOKENS = [40, 30]
+
+
+def tail_routing(gen, top_k: int = 2):
+    idx = routing_with_counts(TAIL_COUNTS, TAIL_TOKENS, top_k, generator=gen)
+    return lambda r, T: idx[r]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning", [
+    # rows and weights by descriptor; L2 in whole 32-row blocks
+    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=True, l2_block_n=64),
+    # pointer loads, no waits; L2 in 16-row pieces (an empty second piece computes nothing)
+    # with the flat loop asked for
+    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=False, l2_split_m=2, wait=False,
+                  l2_flat=True, programs=3),
+    # 32-row L1 tail pieces: every partly filled block (expert 1's 20 rows too) is one
+    # piece; the L2 as usual (flat loop, quarters)
+    stages.Tuning(l1_tail_rows=32, use_tma=True, l2_block_n=64, wait=False, l2_flat=True,
+                  l2_epilogue_split=4),
+    # the L2 only, 32-row pieces
+    stages.Tuning(l2_tail_rows=32, use_tma=True, l2_block_n=64),
+], ids=["tail16-tma", "tail16-pointers-split", "l1-tail32", "l2-tail32"])
+def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
+    check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
+                      TAIL_TOKENS, tuning, gen, device, routing=tail_routing(gen))
+
+
+def test_tail_rows_rules():
+    # user errors name the field and what is allowed; tail pieces step aside where decode
+    # pieces or fp4w pieces already cover the blocks
+    cfg = small_config(block_m=32)
+    with pytest.raises(ValueError, match="l1_tail_rows must be 0"):
+        stages.Tuning(l1_tail_rows=8)
+    with pytest.raises(ValueError, match="l2_tail_rows must be 0"):
+        stages.Tuning(l2_tail_rows=64)
+    with pytest.raises(ValueError, match="l2_signal='rank'"):
+        stages.Tuning(l2_tail_rows=16, l2_signal="rows")
+    with pytest.raises(ValueError, match="l2_tail_rows=32 must divide the L2 row piece"):
+        stages.Tuning(l2_tail_rows=32, l2_split_m=2).tail_pieces(cfg, "l2")
+    with pytest.raises(ValueError, match="l1_tail_rows=32 must divide"):
+        stages.Tuning(l1_tail_rows=32).tail_pieces(small_config(block_m=16), "l1")
+    t = stages.Tuning(l1_tail_rows=32, l2_tail_rows=16, l2_split_m=2)
+    assert (t.tail_pieces(cfg, "l1"), t.tail_pieces(cfg, "l2")) == (32, 16)
+    assert stages.Tuning(l1_tail_rows=16, decode_rows=16).tail_pieces(cfg, "l1") == 0
+    assert stages.Tuning(l2_tail_rows=16).tail_pieces(cfg.with_(dtype="fp4w"), "l2") == 0
+    assert stages.Tuning().tail_pieces(cfg, "l1") == 0
+
+
 def test_decode_rows_must_fit_the_block(gen):
     # user errors name the field and what is allowed
     with pytest.raises(ValueError, match="decode_rows must be 0"):
@@ -565,6 +621,24 @@ def test_decode_rows_rule(tokens, ranks, top_k, experts, block_m, want):
                                   num_experts=experts, block_m=block_m) == want
 
 
+@pytest.mark.parametrize("tokens, top_k, experts, block_m, dtype, split, want", [
+    (512, 8, 256, 128, "fp8", 2, (32, 32)),    # dsv3 T=512: mean 32 rows, 64-row L2 pieces
+    (2048, 8, 256, 128, "fp8", 2, (32, 32)),   # mean 128: still on (breaks even)
+    (2048, 8, 128, 128, "fp8", 2, (32, 32)),   # qwen3 T=2048: mean 256 = 2 * block_m
+    (8192, 8, 256, 128, "fp8", 2, (0, 0)),     # mean 512: whole tiles, the flat L2 loop
+    (512, 8, 256, 128, "bf16", 1, (32, 0)),    # bf16: L1 only, up to block_m / 2 rows
+    (512, 8, 128, 128, "bf16", 1, (32, 0)),    # qwen3 T=512: mean 64 = block_m / 2
+    (2048, 8, 256, 128, "bf16", 1, (0, 0)),    # mean 128: off
+    (512, 8, 256, 128, "fp4w", 1, (0, 0)),     # fp4w has its own row pieces
+    (64, 2, 8, 16, "fp8", 1, (16, 16)),        # block_m 16: pieces of 16
+    (64, 2, 8, 32, "fp8", 2, (32, 16)),        # L2 pieces of 16 rows take 16-row tails
+    (64, 2, 8, 24, "fp8", 1, (0, 0)),          # block_m 24: no piece divides it
+])
+def test_tail_rows_rule(tokens, top_k, experts, block_m, dtype, split, want):
+    assert stages.tail_rows_for(tokens=tokens, ranks=2, top_k=top_k, num_experts=experts,
+                                block_m=block_m, dtype=dtype, l2_split_m=split) == want
+
+
 def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     # with the GPU's SM count in place (a CPU buffer otherwise keeps the interpreter's tiles):
     # a decode call gets pieces and their launch shapes, a large one and the fused path don't
@@ -581,6 +655,12 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     assert stages.fused_tuning(buf, 1).decode_rows == 0
+    # larger staged calls: tail pieces (bf16: L1 only, up to 64 rows per expert); not for the
+    # fused launch, which has no pieces
+    t = stages.Tuning.for_call(buf, 512)
+    assert (t.decode_rows, t.l1_tail_rows, t.l2_tail_rows) == (0, 32, 0)
+    assert stages.Tuning.for_call(buf, 512, decode=False).l1_tail_rows == 0
+    assert stages.fused_tuning(buf, 512).l1_tail_rows == 0
     buf.destroy()
 
 

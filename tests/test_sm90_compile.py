@@ -32,7 +32,7 @@ def compiled_rows() -> list[dict]:
 def compiled(compiled_rows) -> dict[str, dict]:
     """The bf16 layer's kernels by name (its GPU defaults and fused variants)."""
     return {r["name"]: r for r in compiled_rows
-            if not r["kernel"].endswith((" fp8", " pdl", " decode", " fp4w"))}
+            if not r["kernel"].endswith((" fp8", " pdl", " decode", " fp4w", " tail"))}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,15 @@ def compiled_decode(compiled_rows) -> dict[str, dict]:
     return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 decode") else "bf16"): r
             for r in compiled_rows
             if r["kernel"].endswith(" decode") and not r["kernel"].endswith(" fp4w decode")}
+
+
+@pytest.fixture(scope="module")
+def compiled_tail(compiled_rows) -> dict[tuple[str, str], dict]:
+    """The staged GEMMs with 32-row tail pieces (Tuning.l1_tail_rows / l2_tail_rows), bf16 and
+    fp8, by (name, dtype)."""
+    return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 tail") else "bf16"): r
+            for r in compiled_rows
+            if r["kernel"].endswith(" tail") and r["name"] in ("l1_kernel", "l2_kernel")}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +149,25 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
         assert mma > 0 and row["hmma"] == 0 and row["stack_bytes"] == 0, row
         assert resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
                                warps=row["num_warps"]) == fit, row
+
+
+def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_fp8):
+    # the usual tile and the tail piece in one kernel: both warpgroup MMAs (twice the count),
+    # no new spill, and as many programs per SM as the kernel without pieces (the grid is
+    # sized from it)
+    from moestream.stages import resident_per_sm
+    assert set(compiled_tail) == {("l1_kernel", "bf16"), ("l2_kernel", "bf16"),
+                                  ("l1_kernel", "fp8"), ("l2_kernel", "fp8")}
+
+    def fit(row):
+        return resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
+                               warps=row["num_warps"])
+    for (name, dtype), row in compiled_tail.items():
+        base = (compiled_fp8 if dtype == "fp8" else compiled)[name]
+        mma = "e4m3_gmma" if dtype == "fp8" else "hgmma"
+        assert row[mma] > base[mma] > 0 and row["hmma"] == 0, row
+        assert row["stack_bytes"] <= base["stack_bytes"], (row, base)
+        assert fit(row) == fit(base), (row, base)
 
 
 @pytest.mark.parametrize("regs,shared,warps,want", [

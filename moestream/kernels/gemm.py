@@ -18,6 +18,9 @@ Legend:
 Decode pieces (DM constexpr, ``Tuning.decode_rows``): a block is computed as weights @ rows^T,
 one DM-row piece when it has at most DM valid rows, else pieces of DECODE_WIDE = min(32, BM)
 rows (written out where marked ``# DECODE_WIDE``: Triton 3.6 has no constexpr helpers).
+Tail pieces (TAIL constexpr with DM, ``Tuning.tail_rows``): only a block of at most DM valid
+rows (an expert's last, partly filled m-block) runs as one such piece; fuller blocks run the
+usual BM-row tile (L2: each BM / SPLIT_M-row piece on its own, an empty one skipped).
 
 Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
@@ -79,13 +82,15 @@ def l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.conste
 
 @triton.jit
 def decode_descriptors(a, rows, cols, row_stride, w, w_rows, w_cols, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
+                       SECOND: tl.constexpr = 0):
     """Tensor descriptors of decode pieces: ((A [rows, cols] in DM-row tiles, the same in
-    tiles of DECODE_WIDE rows), weights [w_rows, w_cols] in [BN, BK] tiles). ``row_stride``
-    in elements of A (bf16 rows, or the fp8 layer's byte rows)."""
+    tiles of DECODE_WIDE rows, or of SECOND rows if given: tail pieces' full tiles), weights
+    [w_rows, w_cols] in [BN, BK] tiles). ``row_stride`` in elements of A (bf16 rows, or the
+    fp8 layer's byte rows)."""
     a_dm = tl.make_tensor_descriptor(a, shape=[rows, cols], strides=[row_stride, 1],
                                      block_shape=[DM, BK])
-    WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
+    WIDE: tl.constexpr = SECOND if SECOND > 0 else (32 if BM >= 32 else BM)   # DECODE_WIDE
     a_wide = tl.make_tensor_descriptor(a, shape=[rows, cols], strides=[row_stride, 1],
                                        block_shape=[WIDE, BK])
     w_desc = tl.make_tensor_descriptor(w, shape=[w_rows, w_cols], strides=[w_cols, 1],
@@ -177,18 +182,23 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
 @triton.jit
 def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, TAIL: tl.constexpr = False):
     """``l1_block`` for decode (``Tuning.decode_rows``): computed as weights @ rows^T
     ([BN, rows] accumulators: the weight tile is the MMA's row operand). A block of at most
     DM valid rows is one piece of DM rows, so a few decode tokens cost a DM-column MMA
     instead of a BM-row tile of padding; a fuller block (a hot expert) runs in pieces of
     WIDE = min(32, BM) rows. Each piece reads the block's weights once. USE_TMA: ``a_desc``
-    is a pair of descriptors of DM-row and WIDE-row tiles (``decode_descriptors``)."""
+    is a pair of descriptors of DM-row and WIDE-row tiles (``decode_descriptors``).
+    TAIL (tail pieces): a fuller block runs as the usual BM-row tile instead (``a_desc[1]``
+    has BM-row tiles then)."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     vm = meta & 511
     if vm <= DM:
         l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[0], w_desc, H, I, BM,
                 BN, BK, DM, UPCAST, USE_TMA, True)
+    elif TAIL:
+        l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I, BM,
+                BN, BK, BM, UPCAST, USE_TMA, False)
     else:
         for r0 in range(0, vm, WIDE):
             l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I,
@@ -220,10 +230,11 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
                       DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
-                      W4: tl.constexpr = 0):
+                      W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
     bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
-    DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there).
+    DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there), or
+    with TAIL only a block of at most DM rows (fuller ones: ``l1_fp8_block``).
     W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows."""
     x_q = aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
     x_s = aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32)
@@ -237,7 +248,7 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
     elif DM > 0:
         l1_fp8_decode_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
                             act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, DM, a_desc,
-                            w_desc, USE_TMA, FIX_ROUNDING)
+                            w_desc, USE_TMA, FIX_ROUNDING, TAIL)
     else:
         l1_fp8_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q, act_s,
                      H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
@@ -252,11 +263,14 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                       SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
-                      SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0):
+                      SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0,
+                      TAIL: tl.constexpr = False):
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS).
+    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS); with TAIL, row
+    piece ``sub`` as one DM-row decode piece when it holds at most DM valid rows, else as
+    usual (nothing when it holds none).
     W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
     SIGNAL_ROWS when W4 < BM / SPLIT_M)."""
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
@@ -270,6 +284,23 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                         SIGNAL_ROWS, EPI_SPLIT, r0 // W4, BM // W4)
+    elif DM > 0 and TAIL:   # as l2_decode_block's TAIL
+        tl.static_assert(not SIGNAL_ROWS, "tail pieces need the caller to signal")
+        BMP: tl.constexpr = BM // SPLIT_M
+        vm = meta & 511
+        pv = vm - sub * BMP
+        if pv > DM:
+            acc_f = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM,
+                               BN, BK, a_desc[1], w_desc, USE_TMA, sub, SPLIT_M)
+            l2_epilogue(acc_f, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        False, EPI_SPLIT, sub, SPLIT_M)
+        elif pv > 0:
+            acc_t = l2_fp8_rows(mb, sub * BMP, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
+                                AB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA, True)
+            l2_epilogue(acc_t, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        False, EPI_SPLIT, sub * BMP // DM, BM // DM)
     elif DM > 0:   # pieces as l2_decode_block
         tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
         WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
@@ -300,17 +331,17 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
-                    DM: tl.constexpr = 0, W4: tl.constexpr = 0):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
-    rows."""
+    rows (TAIL: only a block of at most DM rows)."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
-                          a_desc, w_desc, USE_TMA, W4)
+                          a_desc, w_desc, USE_TMA, W4, TAIL)
     elif DM > 0:
         l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA)
+                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA, TAIL)
     else:
         l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                  BM, BN, BK, UPCAST, USE_TMA)
@@ -328,16 +359,18 @@ def l1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
-    W4: tl.constexpr = 0,
+    W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
     W4 > 0 (with FP8): MXFP4 weights (kernels/gemm_fp4.py; pointer loads), a block's valid
     rows in pieces of W4 rows.
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
-    (``l1_decode_block``; the fp8 form loads by descriptor too).
+    (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
+    at most DM valid rows (tail pieces), fuller blocks as usual.
     WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
+    tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
@@ -352,14 +385,14 @@ def l1_kernel(
     w_desc = 0
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
-    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row) A descriptors
+    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
         if FP8:
             a_desc, w_desc = decode_descriptors(
                 aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv), P, H, XB, w13,
-                E_LOC * 2 * I, H, BM, BN, BK, DM)
+                E_LOC * 2 * I, H, BM, BN, BK, DM, BM if TAIL else 0)
         else:
             a_desc, w_desc = decode_descriptors(pool_x, P, H, H, w13, E_LOC * 2 * I, H, BM, BN,
-                                                BK, DM)
+                                                BK, DM, BM if TAIL else 0)
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
@@ -377,7 +410,7 @@ def l1_kernel(
             l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM, W4)
+                            USE_TMA, FP8, DM, W4, TAIL)
         meta = meta_next
         ticket += nprog
 
@@ -407,13 +440,31 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                     off_combine_y, off_combine_flag, H, I, T_MAX, R, K: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
-                    EPI_SPLIT: tl.constexpr):
+                    EPI_SPLIT: tl.constexpr, TAIL: tl.constexpr = False, sub=0,
+                    SPLIT_M: tl.constexpr = 1):
     """``l2_block`` for decode (pieces as ``l1_decode_block``): [BN, rows] = w2 tile @ rows^T,
     transposed into the combine slots (the caller signals: per program, ``l2_kernel``'s
-    RANK_SIGNAL)."""
+    RANK_SIGNAL). TAIL (tail pieces): row piece ``sub`` of BM / SPLIT_M rows is one DM-row
+    decode piece when it holds at most DM valid rows, else the usual tile (``a_desc[1]`` of
+    BM / SPLIT_M rows); a piece without valid rows computes nothing."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
+    BMP: tl.constexpr = BM // SPLIT_M
     vm = meta & 511
-    if vm <= DM:
+    if TAIL:
+        pv = vm - sub * BMP
+        if pv > DM:
+            acc_f = l2_rows(mb, sub * BMP, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I,
+                            BM, BN, BK, BMP, UPCAST, USE_TMA, False)
+            l2_epilogue(acc_f, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        EPI_SPLIT, sub, SPLIT_M)
+        elif pv > 0:
+            acc_t = l2_rows(mb, sub * BMP, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I,
+                            BM, BN, BK, DM, UPCAST, USE_TMA, True)
+            l2_epilogue(acc_t, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        EPI_SPLIT, sub * BMP // DM, BM // DM)
+    elif vm <= DM:
         acc = l2_rows(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN, BK,
                       DM, UPCAST, USE_TMA, True)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
@@ -538,19 +589,19 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
                     EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr,
-                    DM: tl.constexpr = 0, W4: tl.constexpr = 0):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l2_block``), row piece ``sub`` of SPLIT_M, or
-    in decode pieces of DM rows."""
+    in decode pieces of DM rows (TAIL: only a row piece of at most DM valid rows)."""
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
-                          USE_TMA, sub, SPLIT_M, DM, W4)
+                          USE_TMA, sub, SPLIT_M, DM, W4, TAIL)
     elif DM > 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
-                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT)
+                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, TAIL, sub, SPLIT_M)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
@@ -573,7 +624,7 @@ def l2_kernel(
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
-    DM: tl.constexpr = 0, W4: tl.constexpr = 0,
+    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
 ):
     """FP8, W4: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
@@ -583,8 +634,11 @@ def l2_kernel(
     flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
     on every rank (system scope); the staged combine waits for R there.
-    DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1)."""
-    tl.static_assert(DM == 0 or (RANK_SIGNAL and SPLIT_M == 1), "decode pieces: rank signal")
+    DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1);
+    with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual."""
+    tl.static_assert(DM == 0 or (RANK_SIGNAL and (SPLIT_M == 1 or TAIL)),
+                     "decode pieces: rank signal")
+    tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
@@ -600,14 +654,14 @@ def l2_kernel(
     BMT: tl.constexpr = BM // SPLIT_M
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
-    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row) A descriptors
+    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BMT-row) A descriptors
         if FP8:
             a_desc, w_desc = decode_descriptors(
                 aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,
-                E_LOC * H, I, BM, BN, BK, DM)
+                E_LOC * H, I, BM, BN, BK, DM, BMT if TAIL else 0)
         else:
             a_desc, w_desc = decode_descriptors(pool_act, P, I, I, w2, E_LOC * H, I, BM, BN, BK,
-                                                DM)
+                                                DM, BMT if TAIL else 0)
     elif USE_TMA:
         if FP8:
             a_desc, w_desc = fp8_descriptors(
@@ -630,7 +684,7 @@ def l2_kernel(
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
-                            pm % SPLIT_M, SPLIT_M, DM, W4)
+                            pm % SPLIT_M, SPLIT_M, DM, W4, TAIL)
         ticket = total
     pm, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
     meta = tl.load(block_meta + pm // SPLIT_M, mask=ticket < total, other=0)
@@ -647,7 +701,8 @@ def l2_kernel(
             l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
-                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4)
+                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4,
+                            TAIL)
         pm = pm_next
         nb = nb_next
         meta = meta_next

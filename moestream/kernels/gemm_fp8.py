@@ -346,18 +346,22 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
                         X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         DM: tl.constexpr, a_desc, w_desc, USE_TMA: tl.constexpr,
-                        FIX_ROUNDING: tl.constexpr):
+                        FIX_ROUNDING: tl.constexpr, TAIL: tl.constexpr = False):
     """``l1_fp8_block`` for decode (``Tuning.decode_rows``; pieces as kernels/gemm.py's
     ``l1_decode_block``): [BN, rows] = weights @ rows^T, one piece of DM rows when vm <= DM
     (the weight tile fills the MMA's 64-row side; 16 tokens cost 16 MMA columns, not a
     128-row tile of padding), else pieces of min(32, BM) rows. USE_TMA: ``a_desc`` a pair of
     descriptors of DM-row and 32-row x tiles, ``w_desc`` of BN-row weight tiles over
-    [E * 2I, H] (kernels/gemm.py's ``decode_descriptors``)."""
+    [E * 2I, H] (kernels/gemm.py's ``decode_descriptors``).
+    TAIL (tail pieces): a fuller block runs as ``l1_fp8_block`` (pointer loads) instead."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     if vm <= DM:
         l1_fp8_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                     X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM, a_desc[0], w_desc,
                     USE_TMA, FIX_ROUNDING, True)
+    elif TAIL:
+        l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
+                     X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, FIX_ROUNDING)
     else:
         for r0 in range(0, vm, WIDE):
             l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
