@@ -53,24 +53,22 @@ def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
 
 def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_m: int,
                   dtype: str, l2_split_m: int = 1) -> tuple[int, int]:
-    """(``Tuning.l1_tail_rows``, ``l2_tail_rows``) for a staged call that is not decode-sized,
-    from the mean rows per expert under uniform routing (tokens * ranks * top_k /
-    num_experts). Measured on 2x H200 (benchmarks/NOTES.md, session 10; per-stage A/B in one
-    run): fp8 at 32-256 rows per expert gains most in its L2 (its 64-row pieces: an empty
-    second piece is skipped; dsv3 at 512 tokens L2 865 -> 545 µs, qwen3 at 2048 185 -> 165)
-    and in its L1 at 32 rows (1266 -> 1167), and breaks even at 128 rows (dsv3 at 2048); so
-    fp8 takes both up to 2 * block_m rows. bf16 gains 3-8 % in its L1 at 32-64 rows and
-    nothing (or loses its flat L2 loop) beyond, so it takes L1 tail pieces up to block_m / 2
-    rows. 32-row pieces (16 where 32 does not divide the piece), off for fp4w."""
+    """(``Tuning.l1_tail_rows``, ``l2_tail_rows``) for a staged call that is not decode-sized:
+    on while the mean rows per expert under uniform routing (tokens * ranks * top_k /
+    num_experts) are at most block_m / 2, where most experts' only m-block is partly filled.
+    fp8 takes both GEMMs' pieces, bf16 the L1's. Measured on 2x H200 (benchmarks/NOTES.md,
+    session 10, A/B in one run, graph replays): at 512 tokens (24-64 rows per expert) fp8
+    1.04-1.25x faster (dsv3 2293 -> 1942 µs, v4flash 1319 -> 1059; most of it in the L2,
+    whose empty second 64-row piece is skipped), bf16 1.00-1.06x; at 2048 tokens (96-256
+    rows) fp8 lost up to 9 % (v4flash) or gained 3 % (qwen3), bf16 nothing. 32-row pieces (16
+    where 32 does not divide the piece), off for fp4w."""
     mean = tokens * ranks * top_k / max(num_experts, 1)
+    if dtype not in ("bf16", "fp8") or mean > block_m / 2:
+        return 0, 0
 
     def rows(piece: int) -> int:
         return 32 if piece % 32 == 0 else (16 if piece % 16 == 0 else 0)
-    if dtype == "fp8" and mean <= 2 * block_m:
-        return rows(block_m), rows(block_m // l2_split_m)
-    if dtype == "bf16" and mean <= block_m / 2:
-        return rows(block_m), 0
-    return 0, 0
+    return rows(block_m), (rows(block_m // l2_split_m) if dtype == "fp8" else 0)
 
 
 @dataclass(frozen=True)
