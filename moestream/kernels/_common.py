@@ -65,6 +65,17 @@ def to_bf16(x, FIX_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def zero_acc(ROWS: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """An fp32 GEMM accumulator of zeros: [ROWS, BN] (rows @ weights^T), or [BN, ROWS] with
+    SWAP (decode and tail pieces: the weight tile as the MMA's row operand)."""
+    if SWAP:
+        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of a staged kernel. PDL (programmatic dependent launch, sm_90+; the
     launch sets ``launch_pdl``): this grid may have been launched while the previous kernel on

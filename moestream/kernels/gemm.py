@@ -33,7 +33,7 @@ so no dependent global loads stand between two blocks' GEMMs.
 from __future__ import annotations
 
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
-                      peer_ptrs, tl, to_bf16, triton, wait_at_least)
+                      peer_ptrs, tl, to_bf16, triton, wait_at_least, zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
                        l2_fp8_rows)
@@ -99,6 +99,21 @@ def decode_descriptors(a, rows, cols, row_stride, w, w_rows, w_cols, BM: tl.cons
 
 
 @triton.jit
+def pool_piece_descriptors(table, rank, off_a, a, P, cols, A_BYTES, w, w_rows, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
+                           SECOND: tl.constexpr, FP8: tl.constexpr):
+    """``decode_descriptors`` of a staged GEMM's pool rows [P, cols] (bf16 ``a``, or the fp8
+    layer's byte rows of A_BYTES at ``off_a`` of this rank's buffer) and its weights
+    [w_rows, cols]."""
+    if FP8:
+        descs = decode_descriptors(aligned_peer_ptr(table, rank, off_a, tl.float8e4nv), P, cols,
+                                   A_BYTES, w, w_rows, cols, BM, BN, BK, DM, SECOND)
+    else:
+        descs = decode_descriptors(a, P, cols, cols, w, w_rows, cols, BM, BN, BK, DM, SECOND)
+    return descs
+
+
+@triton.jit
 def weight_tile(w, SWAP: tl.constexpr):
     """A loaded weight tile [BN, BK] as the MMA operand: transposed to [BK, BN] for rows @ w^T,
     as loaded for the decode pieces' w @ rows^T (SWAP)."""
@@ -137,12 +152,8 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
     a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
     wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
-    if SWAP:
-        acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
-        acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
+    acc_g = zero_acc(ROWS, BN, SWAP)
+    acc_u = zero_acc(ROWS, BN, SWAP)
     for k0 in range(0, H, BK):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
@@ -386,13 +397,9 @@ def l1_kernel(
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
     if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
-        if FP8:
-            a_desc, w_desc = decode_descriptors(
-                aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv), P, H, XB, w13,
-                E_LOC * 2 * I, H, BM, BN, BK, DM, BM if TAIL else 0)
-        else:
-            a_desc, w_desc = decode_descriptors(pool_x, P, H, H, w13, E_LOC * 2 * I, H, BM, BN,
-                                                BK, DM, BM if TAIL else 0)
+        a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
+                                                E_LOC * 2 * I, BM, BN, BK, DM,
+                                                BM if TAIL else 0, FP8)
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
@@ -492,10 +499,7 @@ def l2_rows(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
     n = nb * BN + tl.arange(0, BN)
     a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
     w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
-    if SWAP:
-        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
-    else:
-        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    acc = zero_acc(ROWS, BN, SWAP)
     for k0 in range(0, I, BK):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
@@ -655,13 +659,9 @@ def l2_kernel(
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
     if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BMT-row) A descriptors
-        if FP8:
-            a_desc, w_desc = decode_descriptors(
-                aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv), P, I, AB, w2,
-                E_LOC * H, I, BM, BN, BK, DM, BMT if TAIL else 0)
-        else:
-            a_desc, w_desc = decode_descriptors(pool_act, P, I, I, w2, E_LOC * H, I, BM, BN, BK,
-                                                DM, BMT if TAIL else 0)
+        a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_act, pool_act, P, I, AB, w2,
+                                                E_LOC * H, BM, BN, BK, DM,
+                                                BMT if TAIL else 0, FP8)
     elif USE_TMA:
         if FP8:
             a_desc, w_desc = fp8_descriptors(

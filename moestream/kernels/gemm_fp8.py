@@ -33,7 +33,7 @@ to the e4m3 value it must become; the cast then has nothing to round (as _common
 """
 from __future__ import annotations
 
-from ._common import tl, to_bf16, triton
+from ._common import tl, to_bf16, triton, zero_acc
 
 # quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.fp8
 # asserts they agree; kernels import nothing of ours but _common)
@@ -157,12 +157,8 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
     wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
     xs_ptrs = x_scale + rows * XS_STRIDE
-    if SWAP:
-        acc_g = tl.zeros([BN, ROWS], dtype=tl.float32)
-        acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
-        acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
+    acc_g = zero_acc(ROWS, BN, SWAP)
+    acc_u = zero_acc(ROWS, BN, SWAP)
     for kb in range(0, KB):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
@@ -263,10 +259,7 @@ def l2_fp8_rows(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_ST
     as_ptrs = act_scale + rows * AS_STRIDE
     ONE_GROUP: tl.constexpr = BN <= 128   # one weight scale per K step (as l1_fp8_block)
     ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
-    if SWAP:
-        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
-    else:
-        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    acc = zero_acc(ROWS, BN, SWAP)
     for kb in range(0, KB):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
