@@ -29,10 +29,11 @@ uint32, loaded at once).
 
 Decode: Hopper has no FP4 MMA. Every e2m1 value times 2**-6 is an e4m3 value with the same
 bits in the same places (``place_e2m1_pairs``), so each nibble becomes an e4m3 byte with two
-shifts and masks (in PTX on four bytes per register on GPUs), bitcast to fp8; the MMA is the
-fp8 one (QGMMA ... E4M3.E4M3 on sm_90a at BM >= 64; at BM = 16 Triton widens the e4m3 values
-to fp16, exactly, for warp MMAs) with fp32 accumulation. The decoded tile goes through shared
-memory to the MMA (Triton stages it).
+shifts and masks (in PTX on four bytes per register on GPUs), bitcast to fp8, in a K order that
+keeps those registers whole (``mx_dot``); the MMA is the fp8 one (QGMMA ... E4M3.E4M3 on sm_90a
+at BM >= 64; at BM = 16 Triton widens the e4m3 values to fp16, exactly, for warp MMAs) with
+fp32 accumulation. The packed bytes are staged in shared memory (asynchronous copies), the
+decode runs in registers.
 
 GEMM: the K loop steps by BK = 128 (one activation scale per row); each step is four k=32 fp8
 dots, one per MXFP4 block (the weight scale changes every 32 K elements, per output column):
@@ -120,12 +121,31 @@ def e8m0_twice(words, j: tl.constexpr):
 def mx_dot(a_ptrs, w_ptrs_packed, j: tl.constexpr):
     """fp32 [BM, BN] dot of K chunk j (32 elements) of a 128-K step: activations [BM, 32] fp8
     at a_ptrs + 32 j, weights packed [BN, 16] uint8 at w_ptrs_packed + 16 j, decoded to 2**-6 x
-    their values (``place_e2m1_pairs``)."""
-    a = tl.load(a_ptrs + j * MX_BLOCK)
+    their values (``place_e2m1_pairs``).
+
+    The dot runs the chunk in a permuted K order: per 4 packed bytes (elements 8q .. 8q+7)
+    first their four low nibbles (8q, 8q+2, 8q+4, 8q+6), then their four high ones. Each
+    decoded register (four e4m3 bytes of one kind of nibble) then feeds the MMA as it is,
+    where the natural order needs its bytes interleaved with the other kind's; the small
+    activation tile is permuted the same way instead (a dot's sum does not depend on the
+    order of K, up to fp32 rounding). sm_90 SASS of the 16-row K loops: L1 1388 -> 1036
+    instructions per warp per step, L2 730 -> 620; on H200 the dsv3 L1 425 -> 338 µs, L2
+    173 -> 164 (benchmarks/NOTES.md, session 10). Loading the activations in that order by
+    pointer instead (a byte gather) was 1.4-2.1x slower: it cannot be copied asynchronously.
+    Warpgroup MMAs (pieces of 64 rows and more) keep the natural order: compiled for sm_90 the
+    permuted one spilled 64 B more in the 64-row L1 and was not measured."""
+    a = tl.load(a_ptrs + j * MX_BLOCK)                                 # [BM, 32]
+    BM: tl.constexpr = a.shape[0]
     p = tl.load(w_ptrs_packed + j * (MX_BLOCK // 2))                  # [BN, 16]
     lo, hi = place_e2m1_pairs(p, ASM)
     BN: tl.constexpr = p.shape[0]
-    return tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), [BN, MX_BLOCK])))
+    if BM < 64:   # warp MMAs (16-/32-row pieces): the permuted K order
+        a = tl.reshape(tl.permute(tl.reshape(a, [BM, 4, 4, 2]), (0, 1, 3, 2)), [BM, MX_BLOCK])
+        w = tl.join(tl.reshape(lo, [BN, 4, 4]), tl.reshape(hi, [BN, 4, 4]))  # [BN, q, i, nibble]
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), [BN, MX_BLOCK])         # 8q + 4 nibble + i
+    else:         # warpgroup MMAs: the natural order (the permuted one spilled 64 B more)
+        w = tl.reshape(tl.join(lo, hi), [BN, MX_BLOCK])
+    return tl.dot(a, tl.trans(w))
 
 
 @triton.jit
