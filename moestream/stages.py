@@ -153,7 +153,9 @@ class Tuning:
         end in such a partly filled m-block once calls reach ~block_m rows per expert (dsv3 at
         2048 tokens: ~1.5 m-blocks per expert, each costing a whole tile). Does not apply with
         decode_rows (decode pieces cover those blocks already) or fp4w. Must divide block_m
-        (L2: block_m / l2_split_m); the L2's need l2_signal "rank" and run its plain loop.
+        (L2: block_m / l2_split_m); the L2's need l2_signal "rank", and with them Triton 3.6
+        does not flatten the L2 loop even when l2_flat asks (sm_90 compile: the flat and the
+        plain form take the same shared memory; benchmarks/NOTES.md, session 10).
     fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
         "fp4w" computes each block's valid rows in pieces of this many rows, each piece
         decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).

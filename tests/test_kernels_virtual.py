@@ -574,6 +574,21 @@ def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
                       TAIL_TOKENS, tuning, gen, device, routing=tail_routing(gen))
 
 
+def test_routing_with_counts_gives_exact_counts(gen):
+    # the helper the tail tests rely on: exact per-expert counts over all ranks, every token's
+    # picks distinct, the rest -1; counts that cannot fit are a ValueError
+    idx = torch.cat(routing_with_counts(TAIL_COUNTS, TAIL_TOKENS, 2, generator=gen))
+    assert idx.shape == (sum(TAIL_TOKENS), 2) and idx.dtype == torch.int32
+    assert [int((idx == e).sum()) for e in range(4)] == TAIL_COUNTS
+    assert int((idx == -1).sum()) == 2 * sum(TAIL_TOKENS) - sum(TAIL_COUNTS)
+    both = idx[(idx >= 0).all(dim=1)]
+    assert bool((both[:, 0] != both[:, 1]).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        routing_with_counts([71, 0], [40, 30], 2, generator=gen)   # one expert twice a token
+    with pytest.raises(ValueError, match="do not fit"):
+        routing_with_counts([70, 70, 1], [40, 30], 2, generator=gen)   # more picks than slots
+
+
 def test_tail_rows_rules():
     # user errors name the field and what is allowed; tail pieces step aside where decode
     # pieces or fp4w pieces already cover the blocks

@@ -18,9 +18,10 @@ Legend:
 Decode pieces (DM constexpr, ``Tuning.decode_rows``): a block is computed as weights @ rows^T,
 one DM-row piece when it has at most DM valid rows, else pieces of DECODE_WIDE = min(32, BM)
 rows (written out where marked ``# DECODE_WIDE``: Triton 3.6 has no constexpr helpers).
-Tail pieces (TAIL constexpr with DM, ``Tuning.tail_rows``): only a block of at most DM valid
-rows (an expert's last, partly filled m-block) runs as one such piece; fuller blocks run the
-usual BM-row tile (L2: each BM / SPLIT_M-row piece on its own, an empty one skipped).
+Tail pieces (TAIL constexpr with DM, ``Tuning.l1_tail_rows`` / ``l2_tail_rows``): only a block
+of at most DM valid rows (an expert's last, partly filled m-block) runs as one such piece;
+fuller blocks run the usual BM-row tile (L2: each BM / SPLIT_M-row piece on its own, an empty
+one skipped).
 
 Block (m_block, n_block): m_block numbers the pool's BM-row blocks (global over the rank's
 experts, as moestream.schedule), n fastest. An L1 block waits until its pool block's arrival
