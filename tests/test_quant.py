@@ -104,7 +104,9 @@ def test_weight_fp8_blocks_layout_and_roundtrip(gen, shape):
     normal = w.float().abs() >= FP8_NORMAL_MIN * sc
     err = (deq - w.float()).abs()
     assert bool((err[normal] <= 2.0 ** -4 * w.float().abs()[normal]).all())
-    assert bool((err[~normal] <= 2.0 ** -10 * sc[~normal]).all())
+    # subnormals: half a step of 2**-9 * scale; a tie (error exactly half a step) can come out
+    # one fp32 ulp above it from the products and differences here, hence the 2**-20 slack
+    assert bool((err[~normal] <= 2.0 ** -10 * sc[~normal] * (1 + 2.0 ** -20)).all())
 
 
 def test_weight_scale_inv_is_the_multiplier(gen):
