@@ -122,6 +122,21 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8-s4", 128, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
     GemmVariant("fp8-flat", 128, replace(_FP8_S5, l2_flat=True), "fp8"),
     GemmVariant("fp8-m64", 64, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
+    # session 11: tail pieces in both GEMMs (Tuning.l1_tail_rows / l2_tail_rows; run at M just
+    # past a multiple of block_m, e.g. 136 or 160, every expert ends in a partly filled block)
+    GemmVariant("tail16", 128, replace(_BF16, l1_tail_rows=16, l2_tail_rows=16)),
+    GemmVariant("tail32", 128, replace(_BF16, l1_tail_rows=32, l2_tail_rows=32)),
+    GemmVariant("fp8-tail16", 128, replace(_FP8, use_tma=True, l1_tail_rows=16,
+                                           l2_tail_rows=16), "fp8"),
+    GemmVariant("fp8-tail32", 128, replace(_FP8, use_tma=True, l1_tail_rows=32,
+                                           l2_tail_rows=32), "fp8"),
+    # session 11: a 128x256 bf16 L2 tile, 8 warps, one program per SM (a quarter less operand
+    # traffic per FLOP than 128x128; sm_90 compile: 255 registers, no spill at 2 ranks)
+    GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
+    GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
+    GemmVariant("l2n256w8s4-noflat", 128, replace(_BF16, l2_block_n=256, l2_warps=8,
+                                                  l2_stages=4, l2_flat=False)),
+    GemmVariant("l2n128w8s4", 128, replace(_BF16, l2_warps=8, l2_stages=4)),
 ]}
 
 
