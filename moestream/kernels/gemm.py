@@ -179,16 +179,7 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
-    l1_store(acc_g, acc_u, rows, r0 + tl.arange(0, ROWS) < vm, n, pool_w, pool_act, I, UPCAST,
-             SWAP)
-
-
-@triton.jit
-def l1_store(acc_g, acc_u, rows, rv, n, pool_w, pool_act, I, UPCAST: tl.constexpr,
-             SWAP: tl.constexpr):
-    """SwiGLU x topk weight of an L1 tile's gate and up accumulators into pool_act rows
-    ``rows`` (where ``rv``), columns ``n``; [ROWS, BN] accumulators, or [BN, ROWS] with SWAP
-    (stored transposed)."""
+    rv = r0 + tl.arange(0, ROWS) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     if SWAP:
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
@@ -198,113 +189,6 @@ def l1_store(acc_g, acc_u, rows, rv, n, pool_w, pool_act, I, UPCAST: tl.constexp
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
         tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
                  mask=rv[:, None])
-
-
-@triton.jit
-def paired_tail(m, m_prev, DM: tl.constexpr):
-    """Whether the m-block of block_meta entry ``m`` is the partly filled last block (1 .. DM
-    valid rows) that follows the block of ``m_prev`` in the same expert (``l1_pair_ticket``)."""
-    return ((m >> 9) == (m_prev >> 9)) & ((m & 511) > 0) & ((m & 511) <= DM)
-
-
-@triton.jit
-def l1_pair_block(mb, nb, meta, meta_t, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                  H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                  UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """L1 of m-block ``mb`` and of its expert's tail block mb + 1 (at most DM valid rows,
-    block_meta entry ``meta_t``) in one program: each weight tile is loaded once and multiplied
-    with both, the block's rows as the usual [BM, BN] tiles and the tail's DM rows as weights @
-    rows^T ([BN, DM], the decode pieces' form). A tail computed by a program of its own reads
-    the weights again and, being quicker, runs ahead of the full tile that reads them at the
-    same time, so it loses the L2-cache reuse that keeps two full tiles of one expert in
-    step (benchmarks/NOTES.md, session 11). Releases both m-blocks' l1_done.
-    USE_TMA: ``a_desc`` = (DM-row, BM-row) A descriptors (``pool_piece_descriptors``)."""
-    e = meta >> 9
-    kk = tl.arange(0, BK)
-    n = nb * BN + tl.arange(0, BN)
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    rows_t = (mb + 1).to(tl.int64) * BM + tl.arange(0, DM)
-    a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-    t_ptrs = pool_x + rows_t[:, None] * H + kk[None, :]
-    wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-    wu_ptrs = wg_ptrs + I * H
-    acc_g = zero_acc(BM, BN, False)
-    acc_u = zero_acc(BM, BN, False)
-    acc_tg = zero_acc(DM, BN, True)
-    acc_tu = zero_acc(DM, BN, True)
-    for k0 in range(0, H, BK):
-        if USE_TMA:
-            a = a_desc[1].load([mb * BM, k0])
-            t = a_desc[0].load([(mb + 1) * BM, k0])
-            g = w_desc.load([e * 2 * I + nb * BN, k0])
-            u = w_desc.load([e * 2 * I + I + nb * BN, k0])
-        else:
-            a = tl.load(a_ptrs)
-            t = tl.load(t_ptrs)
-            g = tl.load(wg_ptrs)
-            u = tl.load(wu_ptrs)
-        if UPCAST:   # as l1_rows
-            a = a.to(tl.float32)
-            t = t.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g.T, acc_g)
-        acc_u = tl.dot(a, u.T, acc_u)
-        acc_tg = tl.dot(g, t.T, acc_tg)
-        acc_tu = tl.dot(u, t.T, acc_tu)
-        a_ptrs += BK
-        t_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
-    l1_store(acc_g, acc_u, rows, tl.arange(0, BM) < (meta & 511), n, pool_w, pool_act, I,
-             UPCAST, False)
-    l1_store(acc_tg, acc_tu, rows_t, tl.arange(0, DM) < (meta_t & 511), n, pool_w, pool_act, I,
-             UPCAST, True)
-    tl.debug_barrier()  # all rows stored before the counts are released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
-    tl.atomic_add(l1_done + mb + 1, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def l1_pair_ticket(mb, nb, meta, num_m, block_meta, arrival, PARTS, diag, max_spins, timeout_ns,
-                   rank, epoch, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
-                   USE_TIMER: tl.constexpr, PASS: tl.constexpr):
-    """One ticket of the L1 with paired tails (``Tuning.l1_pair_rows`` = DM), in two launches
-    so that each compiles only its own tile (one kernel with both spilled and ran the usual
-    tiles 14-42 % slower, benchmarks/NOTES.md, session 11): PASS 1 computes block (mb, nb) as
-    usual unless it is a pair's head or tail; PASS 2 computes a head, the block before its
-    expert's tail block mb + 1, together with that tail (``l1_pair_block``; ``a_desc`` = (DM-row,
-    BM-row) descriptors). Returns False if a wait gave up."""
-    prv = tl.load(block_meta + mb - 1, mask=mb > 0, other=0)
-    nxt = tl.load(block_meta + mb + 1, mask=mb + 1 < num_m, other=0)
-    tail = (mb > 0) & paired_tail(meta, prv, DM)
-    head = (mb + 1 < num_m) & paired_tail(nxt, meta, DM)
-    ok = mb >= 0
-    if PASS == 1:
-        if not (tail | head):
-            if WAIT:
-                ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
-                                   timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
-                                   USE_TIMER=USE_TIMER)
-            if ok:
-                l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                         H, I, BM, BN, BK, UPCAST, USE_TMA)
-    else:
-        if head:
-            if WAIT:
-                ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
-                                   timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
-                                   USE_TIMER=USE_TIMER)
-                if ok:
-                    ok = wait_at_least(arrival + mb + 1, (nxt & 511) * PARTS, diag, max_spins,
-                                       timeout_ns, 2, rank, mb + 1, epoch, -1, SCOPE="gpu",
-                                       USE_TIMER=USE_TIMER)
-            if ok:
-                l1_pair_block(mb, nb, meta, nxt, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
-                              w_desc, H, I, BM, BN, BK, DM, UPCAST, USE_TMA)
-    return ok
 
 
 @triton.jit
@@ -481,14 +365,13 @@ def l1_kernel(
     w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
-    off_pool_x, off_pool_weight, off_pool_act, off_l1_tickets,
+    off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
-    W4: tl.constexpr = 0, TAIL: tl.constexpr = False, PAIR: tl.constexpr = 0,
-    PAIR_PASS: tl.constexpr = 0,
+    W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -497,14 +380,9 @@ def l1_kernel(
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
     (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
     at most DM valid rows (tail pieces), fuller blocks as usual.
-    PAIR > 0 (bf16): an expert's tail block of at most PAIR valid rows is computed by the
-    program of the block before it, each weight tile loaded once for both; PAIR_PASS 1 (the
-    other blocks) and 2 (those pairs) are two launches (``l1_pair_ticket``).
     WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
-    tl.static_assert(PAIR == 0 or (not FP8 and DM == 0 and (PAIR_PASS == 1 or PAIR_PASS == 2)),
-                     "paired tails: bf16, no pieces, pass 1 or 2")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
@@ -517,51 +395,32 @@ def l1_kernel(
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     a_desc = 0
     w_desc = 0
-    if (DM > 0 or PAIR_PASS == 2) and not USE_TMA:
-        a_desc = (0, 0)      # the decode blocks and paired tails index a pair
+    if DM > 0 and not USE_TMA:
+        a_desc = (0, 0)      # the decode blocks index a pair
     if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
         a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
                                                 E_LOC * 2 * I, BM, BN, BK, DM,
                                                 BM if TAIL else 0, FP8)
-    elif USE_TMA and PAIR_PASS == 2:   # paired tails: (PAIR-row, BM-row) A descriptors
-        a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
-                                                E_LOC * 2 * I, BM, BN, BK, PAIR, BM, False)
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
-    num_m = tl.load(block_start + E_LOC)
-    total = num_m * NB
+    total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
     meta = block_meta_of(block_meta, ticket, total, NB)
-    if PAIR > 0:
-        # tickets from a counter (zeroed every call): a pass skips the other pass's blocks, and
-        # tickets dealt round-robin would leave some programs far more blocks than others
-        counter = peer_ptr(table, rank, off_l1_tickets, tl.int32) + (PAIR_PASS - 1)
-        ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
-        meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
-        if PAIR > 0:
-            ticket_next = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")  # lands meanwhile
-            meta_next = block_meta_of(block_meta, ticket_next, total, NB)
-            ok = l1_pair_ticket(ticket // NB, ticket % NB, meta, num_m, block_meta, arrival,
-                                PARTS, diag, max_spins, timeout_ns, rank, epoch, l1_done, pool_x,
-                                pool_w, pool_act, w13, a_desc, w_desc, H, I, BM, BN, BK, PAIR,
-                                UPCAST, USE_TMA, WAIT, USE_TIMER, PAIR_PASS)
-        else:
-            ticket_next = ticket + nprog
-            meta_next = block_meta_of(block_meta, ticket_next, total, NB)  # lands meanwhile
-            if WAIT:
-                ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
-                                   timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
-                                   USE_TIMER=USE_TIMER)
-            if ok:
-                l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
-                                pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
-                                off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                                USE_TMA, FP8, DM, W4, TAIL)
+        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
+        if WAIT:
+            ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
+                               timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
+                               USE_TIMER=USE_TIMER)
+        if ok:
+            l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
+                            pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
+                            off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
+                            USE_TMA, FP8, DM, W4, TAIL)
         meta = meta_next
-        ticket = ticket_next
+        ticket += nprog
 
 
 @triton.jit
