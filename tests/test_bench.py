@@ -381,3 +381,17 @@ def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
     assert all(v == 1e3 for v in stats["stages_us"].values())   # 1 ms each, in µs
     assert stats["median_us"] == len(STAGES) * 1e3 == stats["p20_us"] == stats["p80_us"]
     assert stats["reps"] == 4
+
+
+@pytest.mark.parametrize("shape", ["dsv3", "qwen3"])
+def test_every_gemm_variant_is_a_valid_tuning(shape):
+    # the GEMM bench's variants (moestream.bench_kernels) run only on a GPU; their tunings are
+    # checked here against the shapes they are run at, so a variant that a later change makes
+    # invalid (a field renamed, a rule tightened) fails on the CPU, not in a device session
+    from moestream.bench_kernels import VARIANTS
+    for name, v in VARIANTS.items():
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64).with_(block_m=v.block_m,
+                                                                         dtype=v.dtype)
+        v.tuning.check(cfg)
+        assert cfg.intermediate % v.tuning.l1_tile(cfg)[0] == 0, name
+        assert cfg.hidden % v.tuning.l2_tile(cfg)[0] == 0, name
