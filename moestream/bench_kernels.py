@@ -137,10 +137,6 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("l2n256w8s4-noflat", 128, replace(_BF16, l2_block_n=256, l2_warps=8,
                                                   l2_stages=4, l2_flat=False)),
     GemmVariant("l2n128w8s4", 128, replace(_BF16, l2_warps=8, l2_stages=4)),
-    # session 11: paired tails (Tuning.l1_pair_rows): an expert's tail block computed by the
-    # program of its last full block in two half-width column passes, the weight tiles loaded
-    # once for both blocks (run at M = 136: every expert ends in an 8-row tail)
-    GemmVariant("pair16", 128, replace(_BF16, l1_pair_rows=16)),
 ]}
 
 

@@ -14,7 +14,7 @@ calls, since every call waits for every peer's ready flag of that call):
                expert_count, block_start, src_row, src_tokens, block_meta, wave_mb,
                num_waves                      this rank's pool layout (every call) and expert
                                               waves (calls of the fused launch), on device
-               arrival, l1_done, l2_done, tickets, l1_tickets, l2_programs, l2_ranks_done,
+               arrival, l1_done, l2_done, tickets, l2_programs, l2_ranks_done,
                combine_flag                   zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
@@ -128,7 +128,6 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("l1_done", (n_mb,), "int32", "L1 column blocks finished per m-block (L1 -> L2)", True, False),
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
         ("tickets", (1,), "int32", "next ticket of the fused kernel (local rank 0 serves the launch)", True, False),
-        ("l1_tickets", (2,), "int32", "staged L1 with paired tails: next ticket, programs done (its last program zeroes both)", True, False),
         ("l2_programs", (1,), "int32", "staged L2 programs of this rank that finished", True, False),
         ("l2_ranks_done", (1,), "int32", "ranks whose staged L2 finished (peers' L2 -> combine)", True, True),
         ("combine_flag", (T, K), "int32", "1 once a pick's L2 row is complete (peers' L2 -> combine)", True, True),

@@ -156,14 +156,6 @@ class Tuning:
         (L2: block_m / l2_split_m); the L2's need l2_signal "rank", and with them Triton 3.6
         does not flatten the L2 loop even when l2_flat asks (sm_90 compile: the flat and the
         plain form take the same shared memory; benchmarks/NOTES.md, session 10).
-    l1_pair_rows: 0 (off), 16 or 32, at most block_m / 2; bf16 only: paired tails. An
-        expert's last m-block holding at most this many valid rows (after a full one) is
-        computed by the program of the block before it, in the same K loop: each weight tile
-        is loaded once and multiplied with the full block's rows (the usual tile) and with
-        the tail's rows (weights @ rows^T, as decode pieces). A tail tile of its own re-reads
-        the weights and, finishing sooner than the full tile that reads them at the same time,
-        loses their L2-cache reuse (benchmarks/NOTES.md, session 11). Does not apply with
-        decode_rows; not together with l1_tail_rows (a ValueError).
     fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
         "fp4w" computes each block's valid rows in pieces of this many rows, each piece
         decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).
@@ -207,7 +199,6 @@ class Tuning:
     decode_rows: int = 0
     l1_tail_rows: int = 0
     l2_tail_rows: int = 0
-    l1_pair_rows: int = 0
     fp4w_rows: int = 64
 
     @classmethod
@@ -352,12 +343,6 @@ class Tuning:
             v = getattr(self, name)
             if type(v) is not int or v not in (0, 16, 32):
                 raise ValueError(f"Tuning.{name} must be 0 (off), 16 or 32, got {v!r}")
-        if type(self.l1_pair_rows) is not int or self.l1_pair_rows not in (0, 16, 32):
-            raise ValueError(f"Tuning.l1_pair_rows must be 0 (off), 16 or 32, got "
-                             f"{self.l1_pair_rows!r}")
-        if self.l1_pair_rows and self.l1_tail_rows:
-            raise ValueError("Tuning.l1_pair_rows and Tuning.l1_tail_rows both handle an "
-                             "expert's partly filled last L1 block: set one of them")
         if self.l2_tail_rows and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_tail_rows needs l2_signal='rank' (tail pieces of an "
                              "m-block cannot release its rows' combine flags)")
@@ -429,7 +414,6 @@ class Tuning:
         self.decode_pieces(cfg)
         self.tail_pieces(cfg, "l1")
         self.tail_pieces(cfg, "l2")
-        self.pair_rows(cfg)
         self.fp4w_pieces(cfg)
 
     def decode_pieces(self, cfg) -> int:
@@ -450,19 +434,6 @@ class Tuning:
             raise ValueError(f"Tuning.{gemm}_tail_rows={dm} must divide the {gemm.upper()} row "
                              f"piece of {piece} rows (block_m={cfg.block_m}"
                              + (f", l2_split_m={self.l2_split_m})" if gemm == "l2" else ")"))
-        return dm
-
-    def pair_rows(self, cfg) -> int:
-        """l1_pair_rows checked against the config: the tail rows an L1 program takes on
-        besides its block, 0 where paired tails do not apply (off, decode_rows set)."""
-        dm = self.l1_pair_rows
-        if not dm or self.decode_rows:
-            return 0
-        if cfg.dtype != "bf16":
-            raise ValueError(f"Tuning.l1_pair_rows is for bf16 layers, got dtype={cfg.dtype!r}")
-        if 2 * dm > cfg.block_m:
-            raise ValueError(f"Tuning.l1_pair_rows={dm} must be at most half of "
-                             f"block_m={cfg.block_m}")
         return dm
 
     def tma(self, buffer: SymmBuffer) -> bool:
@@ -707,7 +678,6 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     w4 = tuning.fp4w_pieces(cfg)
     tail = tuning.tail_pieces(cfg, "l1")
     dm = 0 if w4 else (tuning.decode_pieces(cfg) or tail)
-    pair = tuning.pair_rows(cfg)
     # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower), except
     # in decode and tail pieces, whose accumulators are small; fp4w: pointer loads
     tma = tuning.tma(buffer) and (not fp8 or dm > 0) and not w4
@@ -716,10 +686,10 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-            off["off_pool_act"], off["off_l1_tickets"], cfg.hidden, cfg.intermediate, c.E_LOC,
-            c.P, cfg.token_bytes, cfg.act_bytes, dispatch_parts(buffer, tuning))
+            off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
+            cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, PAIR=pair,
+              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

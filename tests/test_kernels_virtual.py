@@ -574,68 +574,6 @@ def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
                       TAIL_TOKENS, tuning, gen, device, routing=tail_routing(gen))
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("counts, tuning", [
-    # block_m 32, pairs of 16 rows: expert 0 (37 rows) ends in a 5-row tail, which the program
-    # of its full block computes; expert 1's 20-row tail is too long (a tile of its own),
-    # expert 2's 14 rows are a single block (nothing before it to pair with), expert 3 has
-    # none. Descriptor loads, waits on: a paired program waits for both blocks' arrivals
-    (TAIL_COUNTS, stages.Tuning(l1_pair_rows=16, use_tma=True, l2_block_n=64)),
-    # pointer loads, no waits, 3 programs: tickets of a block, its tail (skipped) and the next
-    # expert's blocks fall to different programs
-    (TAIL_COUNTS, stages.Tuning(l1_pair_rows=16, use_tma=False, wait=False, programs=3)),
-    # a tail of exactly 16 rows (the most a pair takes: 48 = 32 + 16) and one of 1 row (33),
-    # two experts in a row that end in tails; rank 1's experts too
-    ([48, 33, 16, 40], stages.Tuning(l1_pair_rows=16, use_tma=True, l2_block_n=64,
-                                     dispatch_parts=2, hidden_chunk=128)),
-], ids=["pair16-tma", "pair16-pointers", "pair16-edges"])
-def test_paired_tails_compute_the_same_layer(device, gen, counts, tuning):
-    cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    idx = routing_with_counts(counts, TAIL_TOKENS, 2, generator=gen)
-    buf = SymmBuffer(cfg, num_ranks=2, device=device)
-    poison(buf)
-    xs, idxs, ws = make_case(cfg, 2, TAIL_TOKENS, gen, device, drop=0.1,
-                             routing=lambda r, T: idx[r])
-    w13s, w2s = make_weights(cfg, 2, generator=gen, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
-    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
-    # every m-block's L1 column blocks counted exactly once: a tail by its pair only
-    nb = cfg.intermediate // tuning.l1_tile(cfg)[0]
-    rows = []
-    for r in range(2):
-        num_m = int(buf.view("block_start", r)[cfg.experts_per_rank(2)])
-        assert buf.view("l1_done", r)[:num_m].tolist() == [nb] * num_m
-        meta = buf.view("block_meta", r)[:num_m].tolist()
-        rows.append(torch.tensor([m * cfg.block_m + i for m in range(num_m)
-                                  for i in range(meta[m] & 511)], dtype=torch.long))
-    # the L1 alone again (as the GEMM bench times it): its ticket counter was zeroed by the
-    # last program of the first launch, so every row is computed again, bit for bit
-    act = [buf.view("pool_act", r)[rows[r]].clone() for r in range(2)]
-    for r in range(2):
-        buf.view("pool_act", r).fill_(float("nan"))
-    stages.l1(buf, w13s, tuning=tuning)
-    for r in range(2):
-        assert torch.equal(buf.view("pool_act", r)[rows[r]], act[r])
-    buf.destroy()
-
-
-def test_pair_rows_rules():
-    # user errors name the field and what is allowed; paired tails step aside for decode
-    # pieces and are bf16 only
-    cfg = small_config(block_m=32)
-    with pytest.raises(ValueError, match="l1_pair_rows must be 0"):
-        stages.Tuning(l1_pair_rows=8)
-    with pytest.raises(ValueError, match="set one of them"):
-        stages.Tuning(l1_pair_rows=16, l1_tail_rows=16)
-    with pytest.raises(ValueError, match="at most half of block_m=32"):
-        stages.Tuning(l1_pair_rows=32).pair_rows(cfg)
-    with pytest.raises(ValueError, match="bf16 layers"):
-        stages.Tuning(l1_pair_rows=16).pair_rows(cfg.with_(dtype="fp8"))
-    assert stages.Tuning(l1_pair_rows=16).pair_rows(cfg) == 16
-    assert stages.Tuning(l1_pair_rows=16, decode_rows=16).pair_rows(cfg) == 0
-    assert stages.Tuning().pair_rows(cfg) == 0
-
-
 def test_routing_with_counts_gives_exact_counts(gen):
     # the helper the tail tests rely on: exact per-expert counts over all ranks, every token's
     # picks distinct, the rest -1; counts that cannot fit are a ValueError

@@ -179,16 +179,7 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
-    l1_store(acc_g, acc_u, rows, r0 + tl.arange(0, ROWS) < vm, n, pool_w, pool_act, I, UPCAST,
-             SWAP)
-
-
-@triton.jit
-def l1_store(acc_g, acc_u, rows, rv, n, pool_w, pool_act, I, UPCAST: tl.constexpr,
-             SWAP: tl.constexpr):
-    """SwiGLU x topk weight of an L1 tile's gate and up accumulators into pool_act rows
-    ``rows`` (where ``rv``), columns ``n``; [ROWS, BN] accumulators, or [BN, ROWS] with SWAP
-    (stored transposed)."""
+    rv = r0 + tl.arange(0, ROWS) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     if SWAP:
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
@@ -198,106 +189,6 @@ def l1_store(acc_g, acc_u, rows, rv, n, pool_w, pool_act, I, UPCAST: tl.constexp
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
         tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
                  mask=rv[:, None])
-
-
-@triton.jit
-def paired_tail(m, m_prev, DM: tl.constexpr):
-    """Whether the m-block of block_meta entry ``m`` is the partly filled last block (1 .. DM
-    valid rows) that follows the block of ``m_prev`` in the same expert (``l1_pair_ticket``)."""
-    return ((m >> 9) == (m_prev >> 9)) & ((m & 511) > 0) & ((m & 511) <= DM)
-
-
-@triton.jit
-def l1_pair_half(mb, nh, meta, meta_t, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                 BM: tl.constexpr, BNH: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """Columns nh*BNH .. of m-block ``mb`` and of its expert's tail block mb + 1 (at most DM
-    valid rows, block_meta entry ``meta_t``) in one K loop: each weight tile is loaded once and
-    multiplied with both, the block's rows as [BM, BNH] tiles and the tail's DM rows as
-    weights @ rows^T ([BNH, DM], the decode pieces' form). USE_TMA: ``a_desc`` = (DM-row,
-    BM-row) descriptors, ``w_desc`` of [BNH, BK] tiles."""
-    e = meta >> 9
-    kk = tl.arange(0, BK)
-    n = nh * BNH + tl.arange(0, BNH)
-    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
-    rows_t = (mb + 1).to(tl.int64) * BM + tl.arange(0, DM)
-    a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
-    t_ptrs = pool_x + rows_t[:, None] * H + kk[None, :]
-    wg_ptrs = w13 + e.to(tl.int64) * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
-    wu_ptrs = wg_ptrs + I * H
-    acc_g = zero_acc(BM, BNH, False)
-    acc_u = zero_acc(BM, BNH, False)
-    acc_tg = zero_acc(DM, BNH, True)
-    acc_tu = zero_acc(DM, BNH, True)
-    for k0 in range(0, H, BK):
-        if USE_TMA:
-            a = a_desc[1].load([mb * BM, k0])
-            t = a_desc[0].load([(mb + 1) * BM, k0])
-            g = w_desc.load([e * 2 * I + nh * BNH, k0])
-            u = w_desc.load([e * 2 * I + I + nh * BNH, k0])
-        else:
-            a = tl.load(a_ptrs)
-            t = tl.load(t_ptrs)
-            g = tl.load(wg_ptrs)
-            u = tl.load(wu_ptrs)
-        if UPCAST:   # as l1_rows
-            a = a.to(tl.float32)
-            t = t.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g.T, acc_g)
-        acc_u = tl.dot(a, u.T, acc_u)
-        acc_tg = tl.dot(g, t.T, acc_tg)
-        acc_tu = tl.dot(u, t.T, acc_tu)
-        a_ptrs += BK
-        t_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
-    l1_store(acc_g, acc_u, rows, tl.arange(0, BM) < (meta & 511), n, pool_w, pool_act, I,
-             UPCAST, False)
-    l1_store(acc_tg, acc_tu, rows_t, tl.arange(0, DM) < (meta_t & 511), n, pool_w, pool_act, I,
-             UPCAST, True)
-
-
-@triton.jit
-def l1_pair_ticket(mb, nb, meta, num_m, block_meta, arrival, PARTS, diag, max_spins, timeout_ns,
-                   rank, epoch, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, a_pair,
-                   w_half, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DM: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                   WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """One ticket of the L1 with paired tails (``Tuning.l1_pair_rows`` = DM): block (mb, nb)
-    as usual; or, when mb is the block before its expert's tail block mb + 1 (at most DM valid
-    rows), both blocks' columns of nb in two halves of BN / 2 (``l1_pair_half``: the weights
-    read once for both blocks; half-width accumulators, so the pair fits the registers of the
-    usual tile); or nothing when mb is such a tail. Releases the m-blocks it computed.
-    ``a_pair`` / ``w_half``: (DM-row, BM-row) and [BN / 2, BK] descriptors (USE_TMA).
-    Returns False if a wait gave up."""
-    prv = tl.load(block_meta + mb - 1, mask=mb > 0, other=0)
-    nxt = tl.load(block_meta + mb + 1, mask=mb + 1 < num_m, other=0)
-    tail = (mb > 0) & paired_tail(meta, prv, DM)
-    head = (mb + 1 < num_m) & paired_tail(nxt, meta, DM)
-    ok = mb >= 0
-    if not tail:
-        if WAIT:
-            ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins, timeout_ns,
-                               2, rank, mb, epoch, -1, SCOPE="gpu", USE_TIMER=USE_TIMER)
-            if ok & head:
-                ok = wait_at_least(arrival + mb + 1, (nxt & 511) * PARTS, diag, max_spins,
-                                   timeout_ns, 2, rank, mb + 1, epoch, -1, SCOPE="gpu",
-                                   USE_TIMER=USE_TIMER)
-        if ok:
-            if head:
-                BNH: tl.constexpr = BN // 2
-                for h in tl.static_range(2):
-                    l1_pair_half(mb, nb * 2 + h, meta, nxt, pool_x, pool_w, pool_act, w13,
-                                 a_pair, w_half, H, I, BM, BNH, BK, DM, UPCAST, USE_TMA)
-                tl.debug_barrier()  # all rows stored before the counts are released
-                tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
-                tl.atomic_add(l1_done + mb + 1, 1, sem="release", scope="gpu")
-            else:
-                l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                         H, I, BM, BN, BK, UPCAST, USE_TMA)
-    return ok
 
 
 @triton.jit
@@ -474,13 +365,13 @@ def l1_kernel(
     w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
-    off_pool_x, off_pool_weight, off_pool_act, off_l1_tickets,
+    off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
-    W4: tl.constexpr = 0, TAIL: tl.constexpr = False, PAIR: tl.constexpr = 0,
+    W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -489,14 +380,9 @@ def l1_kernel(
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
     (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
     at most DM valid rows (tail pieces), fuller blocks as usual.
-    PAIR > 0 (bf16): an expert's tail block of at most PAIR valid rows is computed by the
-    program of the block before it, each weight tile loaded once for both
-    (``l1_pair_ticket``); tickets come from a counter (``l1_tickets``: next ticket, programs
-    done), which the last program zeroes again.
     WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
-    tl.static_assert(PAIR == 0 or (not FP8 and DM == 0), "paired tails: bf16, no pieces")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
@@ -509,13 +395,8 @@ def l1_kernel(
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     a_desc = 0
     w_desc = 0
-    a_pair = (0, 0)          # paired tails: (PAIR-row, BM-row) A and [BN / 2, BK] weight
-    w_half = 0               # descriptors (USE_TMA)
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
-    if USE_TMA and PAIR > 0:
-        a_pair, w_half = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
-                                                E_LOC * 2 * I, BM, BN // 2, BK, PAIR, BM, False)
     if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
         a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
                                                 E_LOC * 2 * I, BM, BN, BK, DM,
@@ -523,44 +404,23 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
-    num_m = tl.load(block_start + E_LOC)
-    total = num_m * NB
+    total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
     meta = block_meta_of(block_meta, ticket, total, NB)
-    counter = peer_ptr(table, rank, off_l1_tickets, tl.int32)
-    if PAIR > 0:
-        # tickets from a counter: a pair costs more than a block and a tail nothing, so tickets
-        # dealt round-robin would leave some programs far more work than others
-        ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
-        meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
-        if PAIR > 0:
-            ticket_next = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")  # lands meanwhile
-            meta_next = block_meta_of(block_meta, ticket_next, total, NB)
-            ok = l1_pair_ticket(ticket // NB, ticket % NB, meta, num_m, block_meta, arrival,
-                                PARTS, diag, max_spins, timeout_ns, rank, epoch, l1_done, pool_x,
-                                pool_w, pool_act, w13, a_desc, w_desc, a_pair, w_half, H, I,
-                                BM, BN, BK, PAIR, UPCAST, USE_TMA, WAIT, USE_TIMER)
-        else:
-            ticket_next = ticket + nprog
-            meta_next = block_meta_of(block_meta, ticket_next, total, NB)  # lands meanwhile
-            if WAIT:
-                ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
-                                   timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
-                                   USE_TIMER=USE_TIMER)
-            if ok:
-                l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
-                                pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
-                                off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                                USE_TMA, FP8, DM, W4, TAIL)
+        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
+        if WAIT:
+            ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
+                               timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
+                               USE_TIMER=USE_TIMER)
+        if ok:
+            l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
+                            pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
+                            off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
+                            USE_TMA, FP8, DM, W4, TAIL)
         meta = meta_next
-        ticket = ticket_next
-    if PAIR > 0:   # the last program out zeroes the counter for the next launch
-        tl.debug_barrier()
-        if tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(counter + 1, 0, sem="relaxed", scope="gpu")
+        ticket += nprog
 
 
 @triton.jit
