@@ -6,8 +6,14 @@ into compile-only calls) and read the machine code: shared memory, registers, st
 and whether the GEMMs use Hopper's warpgroup MMA (HGMMA in SASS). This catches errors that only
 the GPU compiler sees (the interpreter accepts more), before any GPU time is spent.
 
-    TRITON_INTERPRET=0 python -m moestream.aot [--shape dsv3] [--json]
+    TRITON_INTERPRET=0 python -m moestream.aot [--shape dsv3] [--json] [--loops]
     TRITON_INTERPRET=0 python -m moestream.aot --fp8 [--block-m 64] [--warps 8] [--json]
+
+Each kernel's row also carries its innermost SASS loops (``loops``: instructions, MMAs and
+local-memory spill operations per trip; the K loops of the GEMMs) and ``sass_hash``, a hash
+of the instruction text with addresses and kernel-parameter offsets left out: two revisions
+whose kernels have equal hashes compile to the same machine code (compile the other revision
+in a ``git worktree`` and compare; a new kernel parameter alone does not change the hash).
 
 Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/_common.py).
 """
@@ -62,13 +68,61 @@ def _sass_facts(cubin: bytes) -> dict:
                               text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    return dict(registers=int(regs.group(1)) if regs else None,
+    ins = sass_instructions(sass)
+    return dict(loops=sass_loops(ins), sass_hash=sass_hash(ins),
+                registers=int(regs.group(1)) if regs else None,
                 stack_bytes=int(stack.group(1)) if stack else None,
                 hgmma=len(re.findall(r"\bHGMMA\b", sass)),
                 hmma=len(re.findall(r"\bHMMA\b", sass)),
                 qgmma=len(re.findall(r"\bQGMMA\b", sass)),
                 e4m3_gmma=len(re.findall(r"\b[HQ]GMMA\.\S*E4M3\.E4M3\b", sass)),
                 calls=len(re.findall(r"\bCALL\b", sass)))
+
+
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+_MMA = re.compile(r"\b(?:HGMMA|QGMMA|HMMA)\b")
+_LOCAL = re.compile(r"\b(?:STL|LDL)\b")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction in cuobjdump --dump-sass output."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass.splitlines())
+            if m]
+
+
+def sass_loops(ins: list[tuple[int, str]]) -> list[dict]:
+    """The innermost loops of a kernel's SASS, in address order: a backward branch closes a loop
+    from its target to itself; innermost = no other such range inside. Per loop (one trip):
+    ``instructions``, ``mma`` (HGMMA / QGMMA / HMMA) and ``local_ops`` (STL / LDL: spill
+    traffic). Loops without an MMA are polls and copies; the GEMMs' K loops have MMAs."""
+    spans = []
+    for addr, text in ins:
+        m = _BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr))
+    inner = [(lo, hi) for lo, hi in spans
+             if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in spans)]
+    out = []
+    for lo, hi in sorted(set(inner)):
+        body = [t for a, t in ins if lo <= a <= hi]
+        out.append(dict(start=lo, instructions=len(body),
+                        mma=sum(bool(_MMA.search(t)) for t in body),
+                        local_ops=sum(bool(_LOCAL.search(t)) for t in body)))
+    return out
+
+
+_TARGET = re.compile(r"\b(BRA|BSSY|CALL\S*|JMP|BRX)\b(.*?)0x[0-9a-f]+")
+_PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+
+
+def sass_hash(ins: list[tuple[int, str]]) -> str:
+    """Hash of the instruction text without addresses (nor branch and call targets) and
+    without kernel-parameter offsets (``c[0x0][..]``), so that an added parameter or code that
+    moved does not count as a change; immediates and registers do."""
+    import hashlib
+    text = "\n".join(_PARAM.sub("c[]", _TARGET.sub(r"\1\2X", t)) for _, t in ins)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 @contextlib.contextmanager
@@ -256,6 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--loops", action="store_true",
+                   help="also list each kernel's innermost loops with MMAs (the K loops)")
     args = p.parse_args(argv)
     if args.fp8 or args.fp4w:
         rows = compile_quant_gemms(fmt="fp4w" if args.fp4w else "fp8", hidden=args.hidden,
@@ -270,7 +326,13 @@ def main(argv=None) -> int:
         else:
             print(f"{r['kernel']:34s} smem {r['shared_bytes']:>7d}  regs {r['registers']}  "
                   f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  QGMMA {r['qgmma']}  "
-                  f"HMMA {r['hmma']}  PDL {'yes' if r['grid_dep_wait'] else 'no'}")
+                  f"HMMA {r['hmma']}  PDL {'yes' if r['grid_dep_wait'] else 'no'}  "
+                  f"sass {r['sass_hash']}")
+            if args.loops:
+                for lp in r["loops"]:
+                    if lp["mma"]:
+                        print(f"    loop at {lp['start']:#07x}: {lp['instructions']} "
+                              f"instructions, {lp['mma']} MMA, {lp['local_ops']} STL/LDL")
     too_big = [r["kernel"] for r in rows if r["shared_bytes"] > SM90_SHARED_LIMIT]
     if too_big:
         print(f"shared memory above the sm_90 limit: {too_big}", file=sys.stderr)
