@@ -16,6 +16,10 @@ peer fault cannot lose the other figures):
                             ``moestream.bench_kernels.bench_gemm`` (variant ``layer-default``);
                             the L2 GEMM (N = H, K = I) too, recorded under ``l2_tflops`` (the
                             model does not read it)
+``cache_read`` (recorded)   a Triton kernel re-reading a buffer of 8 MiB .. 512 MiB many times in one
+                            launch, each round a program reading another program's slice past
+                            its L1 (``.cg`` loads): the L2 cache's read rate while the buffer
+                            fits in it (60 MiB on an H200), HBM's beyond; not used by the model
 ``device_pull`` (local)     a Triton kernel pulling rows (one row per program, random order) from
                             a local buffer; read bytes counted
 ``host_peer_copy``          ``tensor.copy_`` from GPU0 to GPU1 (copy engine, issued from the host),
@@ -57,7 +61,8 @@ from .kernels._common import next_pow2, now_ns, tl, triton
 from .sim.calib import SCHEMA, Calibration
 
 __all__ = ["ProbeError", "ProbePlan", "ProbeResults", "probe_plan", "run_probe",
-           "assemble_calibration", "calibration_table", "DEFAULT_OUT", "GEMM_PROVIDERS"]
+           "assemble_calibration", "calibration_table", "reread", "DEFAULT_OUT",
+           "GEMM_PROVIDERS"]
 
 DEFAULT_OUT = "benchmarks/results/calib_probe.json"
 GEMM_PROVIDERS = ("torch", "triton")
@@ -90,6 +95,8 @@ class ProbePlan:
     pull_total_bytes: int = 256 << 20        # rows pulled per call (> the 50 MB L2)
     pull_programs: tuple[int, ...] = (16, 32, 66, 132, 264, 528)   # persistent-grid sweep
     pull_programs_row_bytes: int = 4096
+    cache_read_bytes: tuple[int, ...] = (8 << 20, 16 << 20, 32 << 20, 48 << 20, 512 << 20)
+    cache_read_rounds: int = 32              # reads of the whole buffer per launch
     flag_round_trips: int = 2000
     flag_warmup_round_trips: int = 200
     flag_launches: int = 5
@@ -102,6 +109,7 @@ class ProbePlan:
                 "host_copy_max_batch": (self.host_copy_max_batch, 1),
                 "pull_total_bytes": (self.pull_total_bytes, 1 << 16),
                 "pull_programs_row_bytes": (self.pull_programs_row_bytes, 4),
+                "cache_read_rounds": (self.cache_read_rounds, 1),
                 "flag_round_trips": (self.flag_round_trips, 1),
                 "flag_warmup_round_trips": (self.flag_warmup_round_trips, 0),
                 "flag_launches": (self.flag_launches, 1)}
@@ -109,7 +117,7 @@ class ProbePlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"ProbePlan.{name} must be an int >= {lo}, got {v!r}")
         for name in ("grouped_tokens_per_expert", "host_copy_bytes", "pull_row_bytes",
-                     "pull_programs"):
+                     "pull_programs", "cache_read_bytes"):
             vals = getattr(self, name)
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0
                                for v in vals):
@@ -117,6 +125,9 @@ class ProbePlan:
                                  f"got {vals!r}")
             if any(b <= a for a, b in zip(vals, vals[1:], strict=False)):
                 raise ValueError(f"ProbePlan.{name} must be strictly ascending, got {vals!r}")
+        if any(b % 4096 for b in self.cache_read_bytes):
+            raise ValueError(f"ProbePlan.cache_read_bytes must be multiples of 4096, got "
+                             f"{self.cache_read_bytes!r}")
         if any(b % 4 for b in self.pull_row_bytes + (self.pull_programs_row_bytes,)):
             raise ValueError("ProbePlan pull row sizes must be multiples of 4 bytes")
         if max(self.pull_row_bytes + (self.pull_programs_row_bytes,)) > self.pull_total_bytes:
@@ -136,7 +147,7 @@ def probe_plan(*, quick: bool = False) -> ProbePlan:
     return ProbePlan(quick=True, warmup=2, reps=10, hbm_copy_bytes=256 << 20,
                      host_copy_batch_bytes=64 << 20, host_copy_max_batch=16,
                      pull_total_bytes=64 << 20, pull_row_bytes=(4096, SCHEMA_ROW_BYTES, 14336),
-                     pull_programs=(32, 132, 528), flag_round_trips=500,
+                     pull_programs=(32, 132, 528), cache_read_rounds=16, flag_round_trips=500,
                      flag_warmup_round_trips=50, flag_launches=3)
 
 
@@ -162,6 +173,9 @@ class ProbeResults:
     pull_local_gbps: list[float] = field(default_factory=list)
     pull_peer_gbps: list[float] = field(default_factory=list)
     pull_programs: dict[str, Any] = field(default_factory=dict)
+    # buffer re-reads in one launch (L2 cache while it fits): recorded, not used by the model
+    cache_read_bytes: list[int] = field(default_factory=list)
+    cache_read_tbps: list[float] = field(default_factory=list)
     flag_round_trip_us: float | None = None
     flag_event_us: float | None = None  # CUDA-event time of the initiator launch / round trips
     flag_peer: bool = False             # False: both kernels on one GPU
@@ -294,6 +308,16 @@ def assemble_calibration(results: ProbeResults, *, base: Calibration | None = No
         out["device_pull"] = {**ref["device_pull"],
                               "note": "not measured here: the packaged calibration's figures"}
 
+    # ---- cache re-reads (recorded only) ----------------------------------------------------
+    cb = [int(b) for b in results.cache_read_bytes]
+    if cb and _ok_list(results.cache_read_tbps, len(cb)):
+        out["cache_read"] = {
+            "note": "Triton kernel re-reading a buffer of `bytes` many times in one launch, each "
+                    "round a program reading another's slice with .cg loads (past L1): the L2 "
+                    "cache's read rate while the buffer fits in it, HBM's beyond; recorded, "
+                    "not used by the model",
+            "bytes": cb, "tbps": [float(v) for v in results.cache_read_tbps]}
+
     # ---- flags -------------------------------------------------------------------------------
     out["flag_round_trip_us"] = pick("flag_round_trip_us", results.flag_round_trip_us,
                                      _ok_num(results.flag_round_trip_us))
@@ -383,6 +407,11 @@ def calibration_table(calib: Mapping[str, Any], *, reference: Calibration | None
     if isinstance(bp, Mapping):
         t.add_row(f"  pull {bp.get('row_bytes')} B rows by programs {_fmt(bp.get('programs'))}",
                   "GB/s", _fmt(bp.get("gbps")), "", bp.get("where", ""))
+    cr = calib.get("cache_read")
+    if isinstance(cr, Mapping):
+        mib = "/".join(str(int(b) >> 20) for b in cr.get("bytes", []))
+        t.add_row(f"re-read of {mib} MiB in one launch (recorded)", "TB/s", _fmt(cr.get("tbps")),
+                  "", "")
     t.add_row("flag round trip", "µs", _fmt(calib["flag_round_trip_us"]),
               _fmt(ref["flag_round_trip_us"]), status("flag_round_trip_us"))
     return t
@@ -407,6 +436,42 @@ def _pull_rows_kernel(src_table, dst, idx, n_rows, ROW_WORDS: tl.constexpr,
         v = tl.load(src + s * ROW_WORDS + offs, mask=mask)
         tl.store(dst + i.to(tl.int64) * ROW_WORDS + offs, v, mask=mask)
         i += step
+
+
+@triton.jit
+def _reread_kernel(src, out, n_words, slice_words, rounds, BLOCK: tl.constexpr):
+    """out[program] = fp32 sum of ``rounds`` reads of one slice of ``src`` (fp32 [n_words]) per
+    round: in round r, program p reads slice (p + r) mod programs of ``slice_words`` words, so
+    no program re-reads what its own SM's L1 holds, and the loads skip L1 anyway (``.cg``).
+    ``slice_words`` is a multiple of BLOCK (whole, aligned blocks: 16-byte vector loads)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(rounds):
+        base = tl.multiple_of(((pid + r) % nprog).to(tl.int64) * slice_words, BLOCK)
+        for off in range(0, slice_words, BLOCK):
+            idx = base + off + tl.arange(0, BLOCK)
+            acc += tl.load(src + idx, mask=idx < n_words, other=0.0, cache_modifier=".cg")
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+def reread(src: torch.Tensor, *, rounds: int, programs: int,
+           out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """Per-program sums of ``rounds`` full reads of ``src`` (fp32 [n]) by ``_reread_kernel``
+    with ``programs`` programs (fp32 [programs]); ``out.sum()`` is ``rounds * src.sum()`` up
+    to fp32 rounding."""
+    if src.dtype != torch.float32 or src.dim() != 1 or not src.is_contiguous():
+        raise ValueError("src must be a contiguous fp32 [n] tensor")
+    for name, v in (("rounds", rounds), ("programs", programs)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if out is None:
+        out = torch.empty(programs, dtype=torch.float32, device=src.device)
+    n = src.numel()
+    slice_words = -(-n // (programs * block)) * block   # whole blocks per program
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        _reread_kernel[(programs,)](src, out, n, slice_words, rounds, BLOCK=block, num_warps=4)
+    return out
 
 
 # not specialised on the counts: the zero-round-trip launch that compiles each side must
@@ -510,6 +575,27 @@ def _hbm(plan: ProbePlan, dev: torch.device) -> float:
     dst = torch.empty_like(src)
     us = _median_us(lambda: dst.copy_(src), plan, dev)
     return 2.0 * plan.hbm_copy_bytes / us / 1e6          # read + write, TB/s
+
+
+def _cache_read(plan: ProbePlan, dev: torch.device, tick: Callable[[], None]) -> list[float]:
+    """TB/s of ``reread`` (read bytes counted) for each of ``plan.cache_read_bytes``, with four
+    programs per SM; each size's sums are checked once against torch's."""
+    programs = 4 * torch.cuda.get_device_properties(dev).multi_processor_count
+    rates = []
+    for nbytes in plan.cache_read_bytes:
+        n = nbytes // 4
+        src = (torch.arange(n, device=dev) % 7).to(torch.float32)   # exact small sums
+        out = torch.empty(programs, dtype=torch.float32, device=dev)
+        reread(src, rounds=plan.cache_read_rounds, programs=programs, out=out)
+        want = plan.cache_read_rounds * float(src.double().sum())
+        if abs(float(out.double().sum()) - want) > 1e-5 * want:
+            raise ProbeError(f"cache re-read of {nbytes} B summed {float(out.sum())}, want {want}")
+        us = _median_us(lambda: reread(src, rounds=plan.cache_read_rounds, programs=programs,
+                                       out=out), plan, dev)
+        rates.append(nbytes * plan.cache_read_rounds / us / 1e6)
+        del src
+        tick()
+    return rates
 
 
 def _grouped_torch(plan: ProbePlan, dev: torch.device,
@@ -809,7 +895,7 @@ def run_probe(*, out: str | Path | None, quick: bool = False,
     res.device = (f"{n_gpus}x {props.name}" if n_gpus > 1 else props.name) \
         + f", probed on cuda:{dev.index}" + (f" and cuda:{peer_dev.index}" if peer_dev else "")
 
-    steps = (2 + len(plan.grouped_tokens_per_expert) * len(provs)
+    steps = (2 + len(plan.cache_read_bytes) + len(plan.grouped_tokens_per_expert) * len(provs)
              + len(plan.host_copy_bytes) + 2 * len(plan.pull_row_bytes)
              + len(plan.pull_programs) + 1)
     if console is None:
@@ -841,6 +927,10 @@ def run_probe(*, out: str | Path | None, quick: bool = False,
             res.hbm_copy_tbps = _hbm(plan, dev)
             tick()
 
+        def cache() -> None:
+            res.cache_read_bytes = list(plan.cache_read_bytes)
+            res.cache_read_tbps = _cache_read(plan, dev, tick)
+
         res.grouped_tokens_per_expert = list(plan.grouped_tokens_per_expert)
 
         def g_torch() -> None:
@@ -855,6 +945,7 @@ def run_probe(*, out: str | Path | None, quick: bool = False,
 
         section("dense bf16 matmul", dense)
         section("device copy", hbm)
+        section("cache_read", cache)
         if "torch" in provs:
             section("grouped_gemm.torch", g_torch)
         if "triton" in provs:

@@ -214,6 +214,8 @@ def test_run_probe_runs_every_section_and_keeps_going_after_a_failure(monkeypatc
     monkeypatch.setattr(probe, "_enable_peer", lambda a, b, notes: True)
     monkeypatch.setattr(probe, "_dense", lambda plan, dev: 500.0)
     monkeypatch.setattr(probe, "_hbm", lambda plan, dev: 3.0)
+    monkeypatch.setattr(probe, "_cache_read",
+                        lambda plan, dev, tick: [8.0 - i for i in range(len(plan.cache_read_bytes))])
 
     def grouped_torch(plan, dev, tick):
         return [10.0, 100.0, 300.0, 400.0], [9.0, 90.0, 250.0, 300.0]
@@ -248,6 +250,8 @@ def test_run_probe_runs_every_section_and_keeps_going_after_a_failure(monkeypatc
     assert d["probe"]["errors"] == {"grouped_gemm.triton": "RuntimeError: no kernel today"}
     assert d["probe"]["fallbacks"] == {} and d["probe"]["not_measured"] == []
     assert c.device_pull_peer_gbps == 200.0     # the 7168-byte row of the quick plan
+    assert d["cache_read"] == {**d["cache_read"], "bytes": list(probe_plan(quick=True).cache_read_bytes),
+                               "tbps": [8.0, 7.0, 6.0, 5.0, 4.0]}
     assert d["device_pull"]["by_programs"]["where"] == "peer"
     assert seen == [("pull", 0, 0, 3, 0), ("host", 0, 1), ("pull", 0, 1, 3, 3), ("flag", 0, 1)]
     assert set(d["probe"]["timings_s"]) >= {"dense bf16 matmul", "flag_round_trip"}
@@ -317,6 +321,10 @@ for ini in (True, False):
         torch.zeros(3, dtype=torch.int64), 500, 50, 2**31 - 1, 2 * 10**9, INITIATOR=ini,
         USE_TIMER=True, num_warps=1, grid=(1,))
     out["initiator" if ini else "responder"] = k.asm["ptx"]
+# the cache probe as probe.reread launches it (slices of whole 1024-word blocks)
+k = probe._reread_kernel.warmup(torch.zeros(1 << 20), torch.zeros(528), 1 << 20, 2048, 16,
+    BLOCK=1024, num_warps=4, grid=(528,))
+out["reread"] = k.asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -332,6 +340,8 @@ def test_the_probe_kernels_compile_for_sm90_with_system_scope_flags():
         assert "atom.global.sys.release.exch" in ptx      # the write to the other side
         assert "ld.global.sys.acquire" in ptx             # atomic_add(p, 0), acquire
         assert "%globaltimer" in ptx                      # waits bounded in time
+    # the cache probe reads 16 bytes per load past L1 (.cg), so it measures L2, not L1
+    assert "ld.global.cg.v4" in out["reread"] and "ld.global.v4" not in out["reread"]
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
@@ -359,6 +369,10 @@ def test_quick_probe_gives_a_plausible_calibration(quick_probe):
     assert c.host_copy_gbps[-1] > c.host_copy_gbps[0]          # start-up cost per copy
     assert 100 <= c.device_pull_local_gbps <= 10000
     assert 0.1 <= c.flag_round_trip_us <= 100
+    # cache re-reads: recorded next to the schema; the largest buffer (> L2) reads from HBM
+    cr = d["cache_read"]
+    assert cr["bytes"] == list(probe_plan(quick=True).cache_read_bytes)
+    assert all(0.5 <= t <= 100 for t in cr["tbps"]) and cr["tbps"][-1] <= 2 * c.hbm_copy_tbps
     assert sum(d["probe"]["timings_s"].values()) < 120
 
 
@@ -382,3 +396,32 @@ def test_quick_probe_on_one_gpu_marks_the_stand_ins(quick_probe):
     d, _ = quick_probe
     assert set(d["probe"]["fallbacks"]) == {"host_peer_copy", "device_pull.peer_gbps",
                                             "flag_round_trip_us"}
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("n, programs, rounds", [
+    (4096, 4, 3),      # slices of whole blocks
+    (5000, 3, 2),      # a slice that ends inside a block, a last slice cut short by n
+    (100, 7, 1),       # more programs than blocks: some slices are empty
+])
+def test_reread_sums_every_word_once_per_round(device, n, programs, rounds, gen):
+    # the cache probe's kernel: each round reads the whole buffer exactly once (spread over the
+    # programs in a rotated order), so the programs' sums add up to rounds x the buffer's sum
+    src = torch.randint(0, 7, (n,), generator=gen).float().to(device)
+    out = probe.reread(src, rounds=rounds, programs=programs, block=256)
+    assert out.shape == (programs,)
+    assert float(out.double().sum()) == pytest.approx(rounds * float(src.double().sum()), rel=1e-6)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        probe.reread(src.double(), rounds=1, programs=1)
+    with pytest.raises(ValueError, match="rounds must be an int >= 1"):
+        probe.reread(src, rounds=0, programs=1)
+
+
+def test_cache_read_is_recorded_when_measured():
+    r = _full_results(cache_read_bytes=[8 << 20, 512 << 20], cache_read_tbps=[9.5, 4.1])
+    d = assemble_calibration(r)
+    assert d["cache_read"]["bytes"] == [8 << 20, 512 << 20]
+    assert d["cache_read"]["tbps"] == [9.5, 4.1]
+    assert "cache_read" not in assemble_calibration(_full_results())   # not measured: left out
+    with pytest.raises(ValueError, match="multiples of 4096"):
+        ProbePlan(cache_read_bytes=(5000,))
