@@ -48,7 +48,13 @@ _FP8_S5 = replace(_FP8, l2_split_m=1, l2_warps=8, l2_stages=4, l2_flat=False)
 # Tuning.decode looks at the dtype and whether intermediate is a multiple of 64 (all shapes)
 _DIMS_64 = MoEConfig(hidden=128, intermediate=128, num_experts=1, top_k=1, max_tokens_per_rank=1)
 _DIMS_FP8 = replace(_DIMS_64, dtype="fp8")
-VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
+def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
+    out = {v.name: v for v in variants}
+    assert len(out) == len(variants), "two GEMM variants share a name"   # one would vanish
+    return out
+
+
+VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper(128): L2 128x128 4w3s, flat, 1/4
     # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
     _v("s4-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
@@ -124,7 +130,6 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     GemmVariant("fp8-m64", 64, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
     # session 11: tail pieces in both GEMMs (Tuning.l1_tail_rows / l2_tail_rows; run at M just
     # past a multiple of block_m, e.g. 136 or 160, every expert ends in a partly filled block)
-    GemmVariant("tail16", 128, replace(_BF16, l1_tail_rows=16, l2_tail_rows=16)),
     GemmVariant("tail32", 128, replace(_BF16, l1_tail_rows=32, l2_tail_rows=32)),
     GemmVariant("fp8-tail16", 128, replace(_FP8, use_tma=True, l1_tail_rows=16,
                                            l2_tail_rows=16), "fp8"),
@@ -134,10 +139,7 @@ VARIANTS: dict[str, GemmVariant] = {v.name: v for v in [
     # traffic per FLOP than 128x128; sm_90 compile: 255 registers, no spill at 2 ranks)
     GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
     GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
-    GemmVariant("l2n256w8s4-noflat", 128, replace(_BF16, l2_block_n=256, l2_warps=8,
-                                                  l2_stages=4, l2_flat=False)),
-    GemmVariant("l2n128w8s4", 128, replace(_BF16, l2_warps=8, l2_stages=4)),
-]}
+])
 
 
 def uniform_routing(num_tokens: int, num_experts: int, top_k: int, *, first_expert: int = 0,
