@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu (default env,test,gemm,ep)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -58,4 +58,28 @@ fi
 if has probe; then
   timeout ${PROBE_TIMEOUT:-120} python3 -m moestream.cli probe ${PROBE_ARGS:---quick} \
     --out "$OUT/calib_probe.json" 2>&1 | tee "$OUT/probe.log" | tail -30
+fi
+if has ncu; then
+  # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item
+  # shape:M:variant, the L1 and the L2 launch after the bench's 5 warm-up calls; "torch" as the
+  # variant profiles torch._grouped_mm's kernels instead). Clocks stay as they are
+  # (--clock-control none: ../shared METHOD.md). Reports: $OUT/ncu_<item>.csv (raw page).
+  NCU=${NCU_BIN:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
+  echo "ncu: $NCU" | tee "$OUT/ncu.log"
+  "$NCU" --query-metrics --chip gh100 2>&1 | grep -i -E 'gmma|tensor|lts__t_(bytes|sectors)' > "$OUT/ncu_metrics_tensor.txt"
+  for item in ${NCU_CONFIGS:-dsv3:2048:layer-default dsv3:2048:fp8}; do
+    IFS=: read -r shape m variant <<< "$item"
+    if [ "$variant" = torch ]; then
+      filt=(--kernel-name-base mangled -k regex:cutlass --launch-skip 6 --launch-count 2); vargs=(--variants layer-default)
+    else
+      filt=(-k "regex:^l[12]_kernel" --launch-skip 5 --launch-count 2); vargs=(--variants "$variant")
+    fi
+    timeout ${NCU_TIMEOUT:-150} "$NCU" --clock-control none --target-processes all "${filt[@]}" \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+      --section InstructionStats --csv --page raw --log-file "$OUT/ncu_${shape}_${m}_${variant}.csv" \
+      python3 -m moestream.cli bench --virtual-ranks 1 --shapes "$shape" --tokens-per-expert "$m" \
+      "${vargs[@]}" --reps 1 >> "$OUT/ncu.log" 2>&1
+    echo "$item rc=$? lines=$(wc -l < "$OUT/ncu_${shape}_${m}_${variant}.csv")" | tee -a "$OUT/ncu.log"
+  done
 fi
