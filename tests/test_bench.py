@@ -395,3 +395,35 @@ def test_every_gemm_variant_is_a_valid_tuning(shape):
         v.tuning.check(cfg)
         assert cfg.intermediate % v.tuning.l1_tile(cfg)[0] == 0, name
         assert cfg.hidden % v.tuning.l2_tile(cfg)[0] == 0, name
+
+
+def test_ncu_summary_reads_a_report(tmp_path) -> None:
+    # benchmarks/ncu_summary.py on a small report in ncu's raw CSV form (header, units, one
+    # row per launch; ncu's own lines before it are skipped), and on one without rows
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_summary.py"
+    spec = importlib.util.spec_from_file_location("ncu_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    header = ["Kernel Name", "Grid Size", "gpu__time_duration.sum",
+              "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"]
+    report = tmp_path / "r.csv"
+    report.write_text("==PROF== Disconnected\n"
+                      + "\n".join(",".join(f'"{v}"' for v in row) for row in
+                                  (header, ["", "", "ns", "%", "inst"],
+                                   ["l1_kernel", "(132, 1, 1)", "4,388,672", "46.16", "2.55"],
+                                   ["l2_kernel", "(264, 1, 1)", "2,819,552", "38.89", "0.60"]))
+                      + "\n")
+    rows = mod.read_report(str(report))
+    assert [r["kernel"] for r in rows] == ["l1_kernel", "l2_kernel"]
+    assert rows[0]["us"] == pytest.approx(4388.672)
+    assert rows[1]["tensor%"] == pytest.approx(38.89)
+    assert rows[0]["stalls"]["barrier"] == pytest.approx(2.55)
+    assert rows[0]["L2%"] != rows[0]["L2%"]   # a metric the report lacks is NaN, not 0
+    assert "l2_kernel grid (264, 1, 1) us=2819.6" in mod.format_report("r", rows)
+    empty = tmp_path / "e.csv"
+    empty.write_text("==PROF== no kernels were profiled\n")
+    with pytest.raises(ValueError, match="no ncu CSV rows"):
+        mod.read_report(str(empty))

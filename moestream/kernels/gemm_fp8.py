@@ -116,6 +116,16 @@ def fp8_w_scales(w_s, e64, rows_per_e, nb, BN: tl.constexpr, KB):
     return p
 
 
+@triton.jit
+def next_scale_step(kb, KB):
+    """The K step whose scales a K loop loads during step ``kb``: kb + 1, or the last step
+    again at the end (an in-bounds reload, never used). Loading a step's activation and weight
+    scales one step ahead hides their latency behind the step's MMAs; loaded in the step that
+    uses them, they held the warps at the promotion (ncu on H200, session 12: "long
+    scoreboard" stalls of the fp8 GEMMs, benchmarks/NOTES.md)."""
+    return tl.minimum(kb + 1, KB - 1)
+
+
 # ---- L1 -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -159,7 +169,12 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
     xs_ptrs = x_scale + rows * XS_STRIDE
     acc_g = zero_acc(ROWS, BN, SWAP)
     acc_u = zero_acc(ROWS, BN, SWAP)
+    xs_n, sg_n, su_n = tl.load(xs_ptrs), tl.load(sg_ptrs), tl.load(su_ptrs)   # K step 0
     for kb in range(0, KB):
+        # this step's scales were loaded one step ahead (``next_scale_step``)
+        xs, sg, su = xs_n, sg_n, su_n
+        kn = next_scale_step(kb, KB)
+        xs_n, sg_n, su_n = tl.load(xs_ptrs + kn), tl.load(sg_ptrs + kn), tl.load(su_ptrs + kn)
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
             g = w_desc.load([e * 2 * I + nb * BN, kb * BK])
@@ -171,13 +186,10 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
         if not SWAP:
             g = g.T
             u = u.T
-        xs = tl.load(xs_ptrs + kb)
         if SWAP:
-            acc_g = fp8_swap_step(acc_g, g, a, xs, tl.load(sg_ptrs + kb), BN)
-            acc_u = fp8_swap_step(acc_u, u, a, xs, tl.load(su_ptrs + kb), BN)
+            acc_g = fp8_swap_step(acc_g, g, a, xs, sg, BN)
+            acc_u = fp8_swap_step(acc_u, u, a, xs, su, BN)
         else:
-            sg = tl.load(sg_ptrs + kb)
-            su = tl.load(su_ptrs + kb)
             if ONE_GROUP:
                 acc_g += tl.dot(a, g) * (xs * sg)[:, None]
                 acc_u += tl.dot(a, u) * (xs * su)[:, None]
@@ -260,7 +272,11 @@ def l2_fp8_rows(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_ST
     ONE_GROUP: tl.constexpr = BN <= 128   # one weight scale per K step (as l1_fp8_block)
     ws_ptrs = fp8_w_scales(w2_s, e64, H, nb, BN, KB)
     acc = zero_acc(ROWS, BN, SWAP)
+    xs_n, ws_n = tl.load(as_ptrs), tl.load(ws_ptrs)   # K step 0
     for kb in range(0, KB):
+        xs, ws = xs_n, ws_n   # loaded one step ahead (``next_scale_step``)
+        kn = next_scale_step(kb, KB)
+        xs_n, ws_n = tl.load(as_ptrs + kn), tl.load(ws_ptrs + kn)
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, kb * BK])
             w = w_desc.load([e * H + nb * BN, kb * BK])
@@ -269,8 +285,6 @@ def l2_fp8_rows(mb, r0, nb, e, act_q, act_scale, w2, w2_s, H, I, A_STRIDE, AS_ST
             w = tl.load(w_ptrs)
         if not SWAP:
             w = w.T
-        xs = tl.load(as_ptrs + kb)
-        ws = tl.load(ws_ptrs + kb)
         if SWAP:
             acc = fp8_swap_step(acc, w, a, xs, ws, BN)
         elif ONE_GROUP:
