@@ -141,12 +141,6 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
                                            l2_tail_rows=32), "fp8"),
     # session 11: a 128x256 bf16 L2 tile, 8 warps, one program per SM (a quarter less operand
     # traffic per FLOP than 128x128; sm_90 compile: 255 registers, no spill at 2 ranks)
-    # session 12: the fp8 L1 in 64-row pieces (Tuning.l1_split_m): 4 warps, two programs per
-    # SM at 2 stages (80 KB), or one at 3 (120 KB)
-    GemmVariant("fp8-l1sm2", 128, replace(_FP8, use_tma=True, l1_split_m=2, l1_warps=4,
-                                          l1_stages=2), "fp8"),
-    GemmVariant("fp8-l1sm2s3", 128, replace(_FP8, use_tma=True, l1_split_m=2, l1_warps=4,
-                                            l1_stages=3), "fp8"),
     GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
     GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
 ])

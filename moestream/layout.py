@@ -125,7 +125,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("wave_mb", (e_loc + 1,), "int32", "first m-block of each expert wave; [num_waves] = total (fused path; the staged one leaves it)", False, False),
         ("num_waves", (1,), "int32", "expert waves of this call (moestream.schedule.expert_waves; fused path)", False, False),
         ("arrival", (n_mb,), "int32", "tokens arrived per pool m-block (dispatch -> L1)", True, False),
-        ("l1_done", (n_mb,), "int32", "L1 tiles finished per m-block: column blocks x row pieces (L1 -> L2)", True, False),
+        ("l1_done", (n_mb,), "int32", "L1 column blocks finished per m-block (L1 -> L2)", True, False),
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
         ("tickets", (1,), "int32", "next ticket of the fused kernel (local rank 0 serves the launch)", True, False),
         ("l2_programs", (1,), "int32", "staged L2 programs of this rank that finished", True, False),

@@ -126,13 +126,6 @@ class Tuning:
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
-    l1_split_m: the staged fp8 L1 works in tiles of block_m / l1_split_m rows (1 or 2): with 2,
-        a 4-warp tile of 64 rows (one warpgroup: gate and up accumulators of 64 registers each)
-        fits two programs per SM at 2 stages, so the two programs' warpgroups are not held in
-        step by the K loop's barriers as the two warpgroups of one 8-warp program are (ncu,
-        session 12: "barrier" stalls and an idle tensor pipe half the time at 8 warps). The
-        two pieces of a block run on consecutive tickets. Applies to the fp8 L1 outside
-        decode and tail pieces; other formats ignore it.
     l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
         an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
         registers) and several programs per SM, so one program's epilogue overlaps
@@ -203,7 +196,6 @@ class Tuning:
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
-    l1_split_m: int = 1
     decode_rows: int = 0
     l1_tail_rows: int = 0
     l2_tail_rows: int = 0
@@ -333,10 +325,8 @@ class Tuning:
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
         if not isinstance(self.l2_flat, bool):
             raise ValueError(f"Tuning.l2_flat must be a bool, got {self.l2_flat!r}")
-        for name in ("l1_split_m", "l2_split_m"):
-            v = getattr(self, name)
-            if type(v) is not int or v not in (1, 2):
-                raise ValueError(f"Tuning.{name} must be 1 or 2, got {v!r}")
+        if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
+            raise ValueError(f"Tuning.l2_split_m must be 1 or 2, got {self.l2_split_m!r}")
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
@@ -432,18 +422,6 @@ class Tuning:
         if dm and cfg.block_m % dm:
             raise ValueError(f"Tuning.decode_rows={dm} must divide block_m={cfg.block_m}")
         return dm
-
-    def l1_row_pieces(self, cfg) -> int:
-        """Row pieces per m-block of the staged L1 (``l1_split_m`` where it applies: the fp8
-        L1 outside decode and tail pieces; else 1)."""
-        split = self.l1_split_m
-        if split == 1 or cfg.dtype != "fp8" or self.decode_pieces(cfg) \
-                or self.tail_pieces(cfg, "l1"):
-            return 1
-        if cfg.block_m % (16 * split):
-            raise ValueError(f"Tuning.l1_split_m={split} needs block_m / l1_split_m to be a "
-                             f"multiple of 16, got block_m={cfg.block_m}")
-        return split
 
     def tail_pieces(self, cfg, gemm: str) -> int:
         """l1_tail_rows / l2_tail_rows (``gemm`` "l1" / "l2") checked against the config: the
@@ -712,7 +690,6 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0,
-              SPLIT_M=tuning.l1_row_pieces(cfg),
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -741,8 +718,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
             off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
             off["off_l2_ranks_done"],
             cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
-            cfg.intermediate // tuning.l1_tile(cfg)[0] * tuning.l1_row_pieces(cfg), c.P, c.R,
-            cfg.act_bytes)
+            cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes)
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",

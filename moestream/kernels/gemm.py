@@ -36,7 +36,7 @@ from __future__ import annotations
 from ._common import (aligned_peer_ptr, aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, tl, to_bf16, triton, wait_at_least, zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
-from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l1_fp8_rows, l2_fp8_acc,
+from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
                        l2_fp8_rows)
 
 
@@ -242,16 +242,12 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
                       DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
-                      W4: tl.constexpr = 0, TAIL: tl.constexpr = False, sub=0,
-                      SPLIT_M: tl.constexpr = 1):
+                      W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
     bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
     DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there), or
     with TAIL only a block of at most DM rows (fuller ones: ``l1_fp8_block``).
-    W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows.
-    SPLIT_M > 1 (DM = W4 = 0): only row piece ``sub`` (BM / SPLIT_M rows) of the m-block, as
-    its own tile (``l1_kernel``); a piece without valid rows computes nothing. Each piece
-    releases ``l1_done`` once."""
+    W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows."""
     x_q = aligned_peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
     x_s = aligned_peer_ptr(table, rank, off_pool_x + H, tl.float32)
     pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
@@ -265,12 +261,6 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
         l1_fp8_decode_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
                             act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, DM, a_desc,
                             w_desc, USE_TMA, FIX_ROUNDING, TAIL)
-    elif SPLIT_M > 1:
-        BMP: tl.constexpr = BM // SPLIT_M
-        if sub * BMP < (meta & 511):
-            l1_fp8_rows(mb, sub * BMP, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w,
-                        act_q, act_s, H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, BMP, 0, 0,
-                        False, FIX_ROUNDING, False)
     else:
         l1_fp8_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q, act_s,
                      H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
@@ -353,15 +343,14 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
-                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
-                    sub=0, SPLIT_M: tl.constexpr = 1):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
-    rows (TAIL: only a block of at most DM rows). SPLIT_M > 1 (fp8 only): row piece ``sub``."""
+    rows (TAIL: only a block of at most DM rows)."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
-                          a_desc, w_desc, USE_TMA, W4, TAIL, sub, SPLIT_M)
+                          a_desc, w_desc, USE_TMA, W4, TAIL)
     elif DM > 0:
         l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
                         H, I, BM, BN, BK, DM, UPCAST, USE_TMA, TAIL)
@@ -382,7 +371,7 @@ def l1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
-    W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
+    W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -391,14 +380,9 @@ def l1_kernel(
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
     (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
     at most DM valid rows (tail pieces), fuller blocks as usual.
-    WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS.
-    SPLIT_M > 1 (fp8, pointer loads, DM = W4 = 0): tiles of BM / SPLIT_M rows, the pieces of
-    one (m-block, column block) on consecutive tickets (they read the same weight tile at
-    about the same time); the m-block's ``l1_done`` then counts NB * SPLIT_M."""
+    WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
-    tl.static_assert(SPLIT_M == 1 or (FP8 and DM == 0 and W4 == 0 and not USE_TMA),
-                     "L1 row pieces: fp8, pointer loads, no decode/tail/fp4w pieces")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
@@ -420,23 +404,21 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
-    total = tl.load(block_start + E_LOC) * NB * SPLIT_M
+    total = tl.load(block_start + E_LOC) * NB
     ticket = pid
     ok = pid >= 0
-    meta = block_meta_of(block_meta, ticket, total, NB * SPLIT_M)
+    meta = block_meta_of(block_meta, ticket, total, NB)
     while (ticket < total) & ok:
-        # lands meanwhile
-        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB * SPLIT_M)
-        mb = ticket // (NB * SPLIT_M)
+        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
         if WAIT:
-            ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
-                               timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
+            ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
+                               timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l1_either_block(mb, (ticket // SPLIT_M) % NB, meta, table, rank, l1_done, pool_x,
+            l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM, W4, TAIL, ticket % SPLIT_M, SPLIT_M)
+                            USE_TMA, FP8, DM, W4, TAIL)
         meta = meta_next
         ticket += nprog
 
