@@ -62,7 +62,8 @@ fi
 if has ncu; then
   # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item
   # shape:M:variant, the L1 and the L2 launch after the bench's 5 warm-up calls; "torch" as the
-  # variant profiles torch._grouped_mm's kernels instead). Clocks stay as they are
+  # variant profiles two of torch._grouped_mm's launches instead: its prepare_grouped_gemm_data
+  # kernel and its L1 GEMM, as seen in session 12). Clocks stay as they are
   # (--clock-control none: ../shared METHOD.md). Reports: $OUT/ncu_<item>.csv (raw page).
   NCU=${NCU_BIN:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
   echo "ncu: $NCU" | tee "$OUT/ncu.log"
