@@ -35,7 +35,7 @@ fi
 if has ep; then
   timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
     --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} \
-    ${EP_TUNING:+--tuning $EP_TUNING} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
+    ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
     2>&1 | tee "$OUT/ep.log" | tail -40
 fi
 if has trace; then

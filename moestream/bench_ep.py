@@ -327,8 +327,10 @@ def _capture(sets, fn) -> list:
 
 def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
                     providers: Sequence[str], reps: int, warmup: int, skew: float | None,
-                    seed: int, tuning: dict | None = None) -> list[dict]:
-    """Runs on every rank (spawned, one per GPU). Returns rank 0's rows (others: [])."""
+                    seed: int, tuning: dict | None = None,
+                    block_m: int | None = None) -> list[dict]:
+    """Runs on every rank (spawned, one per GPU). Returns rank 0's rows (others: []).
+    ``block_m``: the layer's block_m instead of the shape's (``MoEConfig``)."""
     import torch.distributed as dist
 
     from . import MoEConfig, SymmBuffer, mega_moe, stages
@@ -346,7 +348,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
         task = progress.add_task("ep bench", total=len(shapes) * len(tokens))
     try:
         for shape in shapes:
-            cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
+            cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens),
+                                       **({"block_m": block_m} if block_m else {}))
             data = list(_weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew))
             w13, w2 = data[0][:2]
             ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
@@ -439,7 +442,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             shape=shape, ranks=world, tokens_per_rank=T, dtype=_dtype(p),
                             provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
                             p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
-                            routing="skewed" if skew else "uniform",
+                            routing="skewed" if skew else "uniform", block_m=cfg.block_m,
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < bound),
                             **({"tuning": dict(tuning)} if _tuned(p) else {}),
@@ -527,9 +530,15 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
 def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
                  providers: Sequence[str] = PROVIDERS, world: int | None = None, reps: int = 20,
                  warmup: int = 5, skew: float | None = None, seed: int = 0,
-                 timeout_s: float = 3000, tuning: dict | None = None) -> list[dict]:
+                 timeout_s: float = 3000, tuning: dict | None = None,
+                 block_m: int | None = None) -> list[dict]:
     """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank).
-    ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``)."""
+    ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
+    ``block_m``: our layer's m-block rows instead of the shape's default (rows carry
+    ``block_m``; the torch providers do not use it)."""
+    if block_m is not None:   # a ValueError naming the allowed values before any spawn
+        from .config import MoEConfig
+        MoEConfig.from_shape("qwen3", max_tokens_per_rank=1, block_m=block_m)
     from .distributed import spawn
     check_providers(providers, tuning)
     world = world or torch.cuda.device_count()
@@ -540,7 +549,7 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     if main:
         rows += spawn(bench_ep_worker, world_size=world, backend="nccl",
                       args=(list(shapes), list(tokens), main, reps, warmup, skew, seed,
-                            dict(tuning or {})),
+                            dict(tuning or {}), block_m),
                       timeout_s=timeout_s)[0]
     if "torch-symm" in providers:
         rows += spawn(bench_symm_worker, world_size=world, backend="nccl",

@@ -268,8 +268,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ValueError as e:
             con.print(f"[red]--tuning: {e}[/]")
             return 2
-        rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens, providers=args.providers,
-                            reps=args.reps, skew=args.skew, tuning=tuning)
+        try:
+            rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens,
+                                providers=args.providers, reps=args.reps, skew=args.skew,
+                                tuning=tuning, block_m=args.block_m)
+        except ValueError as e:
+            con.print(f"[red]{e}[/]")
+            return 2
         out = out or f"benchmarks/results/ep_{torch.cuda.device_count()}gpu.jsonl"
         cols = ["shape", "tokens_per_rank", "provider", "median_us", "p20_us", "p80_us",
                 "tflops_per_gpu", "link_gbps", "floor_us", "efficiency", "rel_diff_vs_torch"]
@@ -409,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--experts-per-rank", type=int, default=32)
     b.add_argument("--variants", type=_names, default=None, help="GEMM variants (default all)")
     b.add_argument("--reps", type=int, default=20)
+    b.add_argument("--block-m", type=int, default=None,
+                   help="EP bench: our layer's m-block rows (MoEConfig.block_m) instead of "
+                        "the shape's default")
     b.add_argument("--out", default=None, help="JSON-lines file the rows are appended to")
     b.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
     b.set_defaults(fn=cmd_bench)

@@ -269,6 +269,14 @@ def test_tuned_providers_and_their_overrides():
             parse_tuning(text)
 
 
+def test_ep_bench_block_m_is_checked_before_any_process_starts():
+    # --block-m (run_ep_bench's block_m) is a MoEConfig.block_m: a value the config rejects
+    # is a ValueError naming the allowed ones, on a machine with or without GPUs
+    from moestream.bench_ep import run_ep_bench
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        run_ep_bench(shapes=["qwen3"], tokens=[1], providers=["staged"], block_m=96)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("timer", ["stage_times", "graph_stage_times"])

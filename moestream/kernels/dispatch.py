@@ -63,7 +63,7 @@ def publish_kernel(
     topk_idx_TK,      # int32/int64 [T, K]
     topk_w_TK,        # fp32 [T, K]
     T, x_stride, T_MAX, H, XB,  # XB: bytes per published row (QUANT)
-    COPY,             # programs [0, COPY) copy and zero; [COPY, COPY + E] number picks
+    COPY,             # programs [0, E] number picks; [E + 1, E + 1 + COPY) copy and zero
     off_epoch, off_ready, off_published, off_diag, off_num_tokens, off_send_counts, off_x,
     off_topk_idx, off_topk_weights, off_slot, off_reset, reset_words,
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
@@ -71,9 +71,10 @@ def publish_kernel(
     QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One rank's inputs of the next call into its buffer, then the signal that publishes
-    them. Grid COPY + E + 1: program c < COPY zeroes its share of the per-call counters and
-    copies tokens [c*BT, c*BT + BT) (rows and picks); program COPY + e numbers expert e's picks
-    into ``slot`` and ``send_counts`` (``number_picks``). Each program then counts itself done
+    them. Grid E + 1 + COPY: program e <= E numbers expert e's picks into ``slot`` and
+    ``send_counts`` (``number_picks``; first, so that these long loops start at once, whatever
+    the GPU holds of the copy programs); program E + 1 + c zeroes its share of the per-call
+    counters and copies tokens [c*BT, c*BT + BT) (rows and picks). Each program then counts itself done
     (acq_rel, gpu scope); the last one resets that count and signals: epoch += 1, ready = epoch
     (release, system scope; cumulative over the other programs' stores, which it acquired).
 
@@ -85,25 +86,26 @@ def publish_kernel(
     epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
     par = (epoch + 1) & 1   # the signal below makes epoch + 1 current
     meta0 = par.to(tl.int64) * T_MAX * K
-    if pid >= COPY:
+    c = pid - (E + 1)   # copy program c
+    if c < 0:
         number_picks(topk_idx_TK, peer_ptr(table, rank, off_slot, tl.int32) + meta0,
                      peer_ptr(table, rank, off_send_counts, tl.int32) + par * E, T * K,
-                     pid - COPY, E, BLOCK)
+                     pid, E, BLOCK)
     else:
         # Zero this program's share of the per-call counters (arrival, l1_done,
         # combine_flag). Peers write combine_flag only after this call's ready flag, which
         # this launch sets after every program is done.
         zero_ptr = peer_ptr(table, rank, off_reset, tl.int32)
         per_prog = tl.cdiv(tl.cdiv(reset_words, COPY), BZ) * BZ
-        z = pid * per_prog
+        z = c * per_prog
         z_end = tl.minimum(z + per_prog, reset_words)
         while z < z_end:
             offs = z + tl.arange(0, BZ)
             tl.store(zero_ptr + offs, tl.zeros([BZ], tl.int32), mask=offs < z_end)
             z += BZ
 
-        # Tokens [pid*BT, pid*BT + BT): rows of x and their K picks.
-        t = pid * BT + tl.arange(0, BT)
+        # Tokens [c*BT, c*BT + BT): rows of x and their K picks.
+        t = c * BT + tl.arange(0, BT)
         tm = t < T
         t64 = t.to(tl.int64)
         if QUANT:
@@ -141,7 +143,7 @@ def publish_kernel(
                        axis=0)
         if n_bad > 0:
             tl.atomic_add(peer_ptr(table, rank, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
-        if pid == 0:
+        if c == 0:
             tl.store(peer_ptr(table, rank, off_num_tokens, tl.int32) + par, T)
 
     # the signal, by the last program to finish
