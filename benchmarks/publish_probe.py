@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3,dsv3")
     ap.add_argument("--tokens", default="1,128,2048,8192")
+    ap.add_argument("--copy-warps", type=int, default=None,
+                    help="stages.Tuning.copy_warps of the publish and pick_slots launches")
     ap.add_argument("--out", default=None, help="JSON file of the rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,8 +69,11 @@ def main(argv=None) -> int:
             idx, w = make_routing(T, cfg.num_experts, cfg.top_k, generator=gen)
             idx, w = idx.cuda().contiguous(), w.cuda().contiguous()
             t = stages.Tuning.for_call(buf, T)
+            if args.copy_warps:
+                t = replace(t, copy_warps=args.copy_warps)
             y = torch.empty_like(x)
             row = dict(shape=shape, T=T, gpu=torch.cuda.get_device_name(0),
+                       copy_warps=t.copy_warps,
                        publish_us=round(graph_time(
                            lambda: stages.publish(buf, 0, x, idx, w, tuning=t)), 1),
                        pick_slots_us=round(graph_time(

@@ -83,8 +83,11 @@ class Tuning:
     use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere);
         the staged bf16 L1/L2 and fp8 L2 (session 6; the fp8 L1 keeps pointer loads), the
         fused launch in bf16.
-    wait: GEMM blocks acquire their input counters. Stream order already guarantees them in
-        the staged path (``for_buffer`` turns them off on GPUs); tests keep them on.
+    wait: GEMM blocks acquire their input counters, and the dispatch and L1 launches count
+        them (arrivals, ``l1_done``). Stream order already guarantees them in the staged path
+        (``for_buffer`` turns them off on GPUs; then nothing is counted either, since every
+        count is a release fence that holds its program until its stores are done); tests
+        keep them on.
     done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
         kernels/gemm.py; measured faster) or "sys".
     wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
@@ -653,7 +656,8 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
         BH=_row_chunk(c.row_words, tuning.hidden_chunk), TT=tuning.dispatch_tile,
-        EAGER=tuning.dispatch_eager, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
+        EAGER=tuning.dispatch_eager, SIGNAL=tuning.wait, **tuning.pdl_args(buffer),
+        **_launch_kw(tuning.copy_warps))
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,7 +693,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
-              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0,
+              USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

@@ -484,9 +484,10 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
 
 
 def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
-                      routing=None) -> None:
+                      routing=None) -> SymmBuffer:
     """One staged call with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks, or
-    ``routing`` as ``make_case`` takes it) against the reference, buffer poisoned first."""
+    ``routing`` as ``make_case`` takes it) against the reference, buffer poisoned first.
+    Returns the buffer (its counters as the call left them)."""
     R = len(Ts)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
@@ -494,6 +495,21 @@ def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    return buf
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("wait", [True, False])
+def test_counters_are_counted_only_for_launches_that_wait(device, gen, wait):
+    # wait=False (the staged path on GPUs: each launch runs after the previous one in stream
+    # order): dispatch counts no arrivals and L1 no l1_done, since each count is a release
+    # fence that holds its program; with waits both count. The layer is right either way.
+    buf = check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
+                            [37, 23], stages.Tuning(wait=wait, programs=3), gen, device)
+    for d in range(2):
+        arrivals = int(buf.view("arrival", d).cpu().sum())
+        l1_done = int(buf.view("l1_done", d).cpu().sum())
+        assert (arrivals > 0, l1_done > 0) == (wait, wait), (d, arrivals, l1_done)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -685,6 +701,9 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     (37, 4, 5, "random"),       # prime-ish expert count, T not a power of two
     (300, 8, 256, "random"),    # more picks than one 128-wide chunk, dsv3's expert count
     (700, 2, 3, "one"),         # every pick to expert 1: long runs across chunks
+    (1100, 4, 3, "one"),        # 4400 picks: two 4096-pick steps of the numbering loop (the
+                                # next step's picks load during this one), a run across them
+    (2100, 8, 16, "random"),    # 16800 picks: five steps, the last partly filled
     (50, 4, 8, "holes"),        # -1 and out-of-range ids (E, E + 5, -7) are no picks
     (0, 4, 8, "random"),        # a rank with no tokens: counts 0, nothing written
 ])

@@ -32,10 +32,15 @@ def number_picks(topk_idx_TK, slot_TK, counts_E, N, e, E, BLOCK: tl.constexpr):
     (-1 included). Run for every e in [0, E], each slot is written exactly once."""
     mine = e < E
     base = tl.zeros([], tl.int32)
+    i = tl.arange(0, BLOCK)
+    key_next = tl.load(topk_idx_TK + i, mask=i < N, other=-1)
     for s in range(0, N, BLOCK):
         i = s + tl.arange(0, BLOCK)
         m = i < N
-        key = tl.load(topk_idx_TK + i, mask=m, other=-1)
+        key = key_next
+        # the next block's picks load while this one is numbered: the loop is a chain of
+        # N / BLOCK steps, each of which waited for its own load (session 13)
+        key_next = tl.load(topk_idx_TK + i + BLOCK, mask=i + BLOCK < N, other=-1)
         hit = m & tl.where(mine, key == e, (key < 0) | (key >= E))
         c = tl.cumsum(hit.to(tl.int32), 0)
         tl.store(slot_TK + i, tl.where(mine, base + c - 1, -1), mask=hit)
@@ -269,7 +274,7 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                 off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
                 off_pool_src, off_pool_weight, off_arrival,
                 K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
-                EAGER: tl.constexpr = False, h_lo=0, h_hi=-1):
+                EAGER: tl.constexpr = False, h_lo=0, h_hi=-1, SIGNAL: tl.constexpr = True):
     """One dispatch task: tokens [t0, t0 + n) of source rank ``s`` into ``rank``'s pool, TT
     tokens at a time (TT = 1: the token-granular task).
 
@@ -281,7 +286,9 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
     here too).
     [h_lo, h_hi): the part of the rows this task moves (h_hi = -1: to the end; h_lo a
     multiple of BH); the task of part h_lo = 0 also stores the rows' sources and weights, and
-    every part adds its own arrival (``dispatch_kernel``'s PARTS).
+    every part adds its own arrival (``dispatch_kernel``'s PARTS). Without SIGNAL no arrival
+    is counted (nothing waits on them: the release is a fence that holds the program until
+    its row stores are done).
     """
     k = tl.arange(0, K_PAD)
     km = k < K
@@ -334,9 +341,10 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                          (s * T_MAX + t[:, None]) * K + k[None, :], mask=mine)
                 tl.store(peer_ptr(table, rank, off_pool_weight, tl.float32) + row, w,
                          mask=mine)
-            tl.debug_barrier()  # every thread's row stores precede the release below
-            tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1,
-                          mask=mine, sem="release", scope="gpu")
+            if SIGNAL:
+                tl.debug_barrier()  # every thread's row stores precede the release below
+                tl.atomic_add(peer_ptr(table, rank, off_arrival, tl.int32) + row // BM, 1,
+                              mask=mine, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -348,13 +356,15 @@ def dispatch_kernel(
     T_MAX, H, R, E_LOC, BM, P, PARTS,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
     TT: tl.constexpr = 1, EAGER: tl.constexpr = False, PDL: tl.constexpr = False,
+    SIGNAL: tl.constexpr = True,
 ):
     """Token-granular pull. Ticket i over (source rank, tile of TT source tokens, part of the
     row), sources in rank order; ``pull_tokens`` moves a tile's tokens together (TT = 1: one
     token per ticket; EAGER: its picks, slots, weights and first row chunk in one round trip
     to the peer). Rows move in PARTS parts of whole BH chunks, each its own ticket (more loads
     in flight when a call has few tokens); each part adds its arrival, so an m-block is
-    complete at valid_m * PARTS.
+    complete at valid_m * PARTS. SIGNAL False: no arrivals are counted (for an L1 that waits
+    for nothing, running after this launch in stream order).
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
     """
@@ -381,5 +391,5 @@ def dispatch_kernel(
         pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
                     off_x, off_topk_idx, off_topk_weights, off_slot, off_src_row, off_pool_x,
                     off_pool_src, off_pool_weight, off_arrival, K, K_PAD, BH, TT, EAGER,
-                    h_lo, tl.minimum(h_lo + part_words, H))
+                    h_lo, tl.minimum(h_lo + part_words, H), SIGNAL)
         ticket += nprog

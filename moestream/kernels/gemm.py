@@ -126,15 +126,26 @@ def weight_tile(w, SWAP: tl.constexpr):
 @triton.jit
 def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SIGNAL: tl.constexpr = True):
     """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release.
-    ``meta``: the m-block's block_meta entry (expert * 512 + valid_m)."""
+    ``meta``: the m-block's block_meta entry (expert * 512 + valid_m). SIGNAL: release-add
+    the m-block's ``l1_done`` (``count_l1_done``)."""
     # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so they only
     # spoil their own (never stored) output rows.
     l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I, BM, BN, BK,
             BM, UPCAST, USE_TMA, False)
-    tl.debug_barrier()  # all rows stored before the count is released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+    count_l1_done(l1_done, mb, SIGNAL)
+
+
+@triton.jit
+def count_l1_done(l1_done, mb, SIGNAL: tl.constexpr):
+    """Release-add 1 to m-block ``mb``'s ``l1_done`` once the block's rows are stored, for an
+    L2 that waits on it. Without SIGNAL (the staged launches on GPUs, whose L2 runs after the
+    L1 in stream order and waits for nothing) nothing is counted: the release is a fence that
+    holds the program until its stores are done (session 13)."""
+    if SIGNAL:
+        tl.debug_barrier()  # all rows stored before the count is released
+        tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -194,7 +205,8 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
 @triton.jit
 def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, TAIL: tl.constexpr = False):
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, TAIL: tl.constexpr = False,
+                    SIGNAL: tl.constexpr = True):
     """``l1_block`` for decode (``Tuning.decode_rows``): computed as weights @ rows^T
     ([BN, rows] accumulators: the weight tile is the MMA's row operand). A block of at most
     DM valid rows is one piece of DM rows, so a few decode tokens cost a DM-column MMA
@@ -215,8 +227,7 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
         for r0 in range(0, vm, WIDE):
             l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I,
                     BM, BN, BK, WIDE, UPCAST, USE_TMA, True)
-    tl.debug_barrier()  # all rows stored before the count is released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+    count_l1_done(l1_done, mb, SIGNAL)
 
 
 @triton.jit
@@ -242,7 +253,8 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
                       DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
-                      W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
+                      W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
+                      SIGNAL: tl.constexpr = True):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
     bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
     DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there), or
@@ -264,8 +276,7 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
     else:
         l1_fp8_block(mb, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q, act_s,
                      H, I, XB, XB // 4, AB, AB // 4, BM, BN, BK, FIX_ROUNDING)
-    tl.debug_barrier()  # all rows stored before the count is released
-    tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
+    count_l1_done(l1_done, mb, SIGNAL)
 
 
 @triton.jit
@@ -343,20 +354,21 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
-                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
+                    DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
+                    SIGNAL: tl.constexpr = True):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
     rows (TAIL: only a block of at most DM rows)."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
-                          a_desc, w_desc, USE_TMA, W4, TAIL)
+                          a_desc, w_desc, USE_TMA, W4, TAIL, SIGNAL)
     elif DM > 0:
         l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
-                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA, TAIL)
+                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA, TAIL, SIGNAL)
     else:
         l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                 BM, BN, BK, UPCAST, USE_TMA)
+                 BM, BN, BK, UPCAST, USE_TMA, SIGNAL)
 
 
 @triton.jit
@@ -371,7 +383,7 @@ def l1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
-    W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
+    W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -380,7 +392,8 @@ def l1_kernel(
     DM > 0: decode pieces of DM rows with the weights as the MMA row operand
     (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
     at most DM valid rows (tail pieces), fuller blocks as usual.
-    WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS."""
+    WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS.
+    SIGNAL: a finished block release-adds its m-block's ``l1_done`` (for an L2 that waits)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     pdl_enter(PDL)
@@ -418,7 +431,7 @@ def l1_kernel(
             l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM, W4, TAIL)
+                            USE_TMA, FP8, DM, W4, TAIL, SIGNAL)
         meta = meta_next
         ticket += nprog
 
