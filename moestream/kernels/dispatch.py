@@ -261,8 +261,10 @@ def layout_kernel(
 
 @triton.jit
 def _store_rows(pool_x, v, row64, mine, k, h, hm, H, K: tl.constexpr):
-    """v [TT, BH] into the pool row of each of its tokens' picks (row64, mine [TT, K_PAD])."""
-    for kk in tl.static_range(K):
+    """v [TT, BH] into the pool row of each of its tokens' picks (row64, mine [TT, K_PAD]).
+    A loop, not unrolled: unrolled over K the addresses of all K stores were live at once
+    (254 registers on sm_90, two 4-warp programs per SM); as a loop 128 (session 13)."""
+    for kk in range(K):
         sel = k[None, :] == kk
         r_k = tl.sum(tl.where(sel, row64, 0), axis=1)
         m_k = tl.sum(tl.where(sel, mine.to(tl.int32), 0), axis=1) > 0
