@@ -536,9 +536,10 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
     ``block_m``: our layer's m-block rows instead of the shape's default (rows carry
     ``block_m``; the torch providers do not use it)."""
-    if block_m is not None:   # a ValueError naming the allowed values before any spawn
+    if block_m is not None:   # each shape's config with it: a ValueError before any spawn
         from .config import MoEConfig
-        MoEConfig.from_shape("qwen3", max_tokens_per_rank=1, block_m=block_m)
+        for shape in shapes:
+            MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), block_m=block_m)
     from .distributed import spawn
     check_providers(providers, tuning)
     world = world or torch.cuda.device_count()
