@@ -2,6 +2,7 @@
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
 # steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu (default env,test,gemm,ep)
+# CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -9,6 +10,14 @@ STEPS=${1:-env,test,gemm,ep}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
+if [ -n "${CLOCKS:-}" ]; then
+  # SM clock, power and temperature of every GPU every CLOCKS ms while the steps run (are
+  # long GEMM-bound calls power-capped below the clock the short calibration runs see?)
+  nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms "$CLOCKS" > "$OUT/clocks.csv" 2>&1 &
+  CLOCKS_PID=$!
+  trap 'kill $CLOCKS_PID 2>/dev/null' EXIT
+fi
 if has env; then
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.txt"
   nvidia-smi topo -m 2>&1 | tee -a "$OUT/env.txt"
@@ -33,7 +42,7 @@ if has quant; then
     --out "$OUT/quant_gemm.jsonl" 2>&1 | tee "$OUT/quant.log" | tail -60
 fi
 if has ep; then
-  timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
+  MOESTREAM_EP_PARTIAL="$OUT/ep_partial.jsonl" timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
     --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} \
     ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
     2>&1 | tee "$OUT/ep.log" | tail -40

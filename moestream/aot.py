@@ -242,6 +242,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " tail"   # tail pieces in both GEMMs (Tuning.for_call's mid sizes)
                 stages.run_staged(*args, tuning=replace(tuning, l1_tail_rows=32,
                                                         l2_tail_rows=32))
+                label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
+                stages.run_staged(*args, tuning=replace(tuning, l1_group_m=8))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = ""
@@ -259,6 +261,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = " fp8 tail"
         stages.run_staged(*args, tuning=replace(tuning8, l1_tail_rows=32, l2_tail_rows=32))
+        label[0] = " fp8 grouped"
+        stages.run_staged(*args, tuning=replace(tuning8, l1_group_m=8))
         # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces
         cfg4 = cfg.with_(dtype="fp4w")
         buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")

@@ -46,10 +46,13 @@ Providers, measured in the same run on the same inputs:
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
 that the providers agree (relative difference within the bf16 tolerance), so a broken kernel is
-never timed as fast.
+never timed as fast. With ``MOESTREAM_EP_PARTIAL=path`` set, rank 0 also appends each row to
+that JSON-lines file as it is measured, so a run cut by a time limit keeps its finished points.
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -448,8 +451,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             **({"tuning": dict(tuning)} if _tuned(p) else {}),
                             **({"stages_us": stats["stages_us"]} if "stages_us" in stats
                                else {})))
+                        if os.environ.get("MOESTREAM_EP_PARTIAL"):
+                            # rows so far survive a run cut by its time limit
+                            with open(os.environ["MOESTREAM_EP_PARTIAL"], "a") as f:
+                                f.write(json.dumps(rows[-1]) + "\n")
                         progress.console.print(
-                            f"{shape} T={T} {p}: {stats['median_us']:.1f} us"
+                            f"{time.strftime('%H:%M:%S')} {shape} T={T} {p}: "
+                            f"{stats['median_us']:.1f} us"
                             + ("" if err is None else f" (rel diff vs torch {err:.1e})"))
                 for b in (buf, *(q[0] for q in qbuf.values())):
                     if b is not None:

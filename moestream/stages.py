@@ -71,6 +71,14 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
     return rows(block_m), (rows(block_m // l2_split_m) if dtype == "fp8" else 0)
 
 
+def l1_group_m_for(column_blocks: int, sms: int) -> int:
+    """``Tuning.l1_group_m`` for an L1 of ``column_blocks`` column blocks per m-block on a
+    GPU of ``sms`` SMs: 8 when the programs running at once (about one per SM) cover fewer
+    than 4 m-blocks with n fastest, so that an expert's m-blocks would each stream its w13
+    from HBM again (mixtral: 112 column blocks); else 1 (dsv3, v4flash: 16, qwen3: 6)."""
+    return 8 if column_blocks * 4 > sms else 1
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch shapes, free to change per call (the data layout depends only on block_m).
@@ -122,13 +130,23 @@ class Tuning:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
         1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
         slower at 16-128 (benchmarks/NOTES.md, session 4).
+    l1_group_m: m-blocks the staged L1's tickets walk at a time (``grouped_tile``), as
+        l2_group_m does for the L2. 1: n fastest. ``for_call`` groups 8 when an m-block has
+        so many column blocks that the programs running at once cover only a couple of
+        m-blocks (mixtral: 112 per m-block), where n fastest streams the expert's w13 from
+        HBM once per m-block.
     l2_signal: how the staged L2 tells the combine that rows are complete: "rank" (each L2
         program counts itself once; the rank's last program releases every rank's
         ``l2_ranks_done``; the combine waits for R there) or "rows" (every tile counts its
         m-block; the m-block's last tile releases each row's combine flag, as the fused
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
-    combine_chunk: hidden columns a fused combine task sums at once (None = hidden_chunk).
+    combine_chunk: hidden columns a combine task sums at once (None = hidden_chunk), in the
+        fused launch and the staged combine.
+    copy_warps: warps of the staged copy launches (publish, numbering, dispatch).
+    combine_warps, combine_per_sm: warps and programs per SM of the staged combine launch
+        (None = copy_warps). The combine only loads and sums rows; session 13 saw it 15 %
+        faster with 8 warps at dsv3 dims where dispatch was 1.4x slower with them.
     l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
         an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
         registers) and several programs per SM, so one program's epilogue overlaps
@@ -191,9 +209,12 @@ class Tuning:
     dispatch_programs: int = 0
     combine_tile: int = 1
     combine_chunk: int | None = None
+    combine_warps: int | None = None
+    combine_per_sm: int = 4
     dispatch_eager: bool = False
     dispatch_parts: int = 1
     l2_group_m: int = 1
+    l1_group_m: int = 1
     l2_signal: str = "rank"
     l2_flat: bool = False
     l2_epilogue_split: int = 1
@@ -269,14 +290,14 @@ class Tuning:
                                              block_m=cfg.block_m, dtype=cfg.dtype,
                                              l2_split_m=t.l2_split_m)
             t = replace(t, l1_tail_rows=l1_tail, l2_tail_rows=l2_tail)
-        if cfg.fp8_tokens:   # fp8 / fp4w: a block quantizes 128 columns
-            return t
-        # under uniform routing a rank receives about tokens * top_k picks
-        touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
-        bn = t.l1_tile(cfg)[0]
-        while bn > 32 and touched * (cfg.intermediate // bn) < sms:
-            bn //= 2
-        return replace(t, l1_block_n=bn)
+        if not cfg.fp8_tokens:   # fp8 / fp4w: a block quantizes 128 columns
+            # under uniform routing a rank receives about tokens * top_k picks
+            touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))
+            bn = t.l1_tile(cfg)[0]
+            while bn > 32 and touched * (cfg.intermediate // bn) < sms:
+                bn //= 2
+            t = replace(t, l1_block_n=bn)
+        return replace(t, l1_group_m=l1_group_m_for(cfg.intermediate // t.l1_tile(cfg)[0], sms))
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
@@ -315,15 +336,23 @@ class Tuning:
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
-                     "l2_group_m", "gemm_per_sm", "dispatch_parts"):
+                     "l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
+                     "l1_group_m"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"Tuning.{name} must be an int >= {low}, got {v!r}")
-        for name in ("dispatch_tile", "combine_tile"):
+        for name in ("dispatch_tile", "combine_tile", "copy_warps", "combine_warps",
+                     "hidden_chunk", "combine_chunk"):
             v = getattr(self, name)
+            if v is None and name in ("combine_warps", "combine_chunk"):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"Tuning.{name} must be a power of two, got {v!r}")
+        for name in ("copy_warps", "combine_warps"):
+            if (getattr(self, name) or 1) > 16:
+                raise ValueError(f"Tuning.{name} must be at most 16 (warps of one program), "
+                                 f"got {getattr(self, name)!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
         if not isinstance(self.l2_flat, bool):
@@ -694,6 +723,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             cfg.act_bytes, dispatch_parts(buffer, tuning))
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
+              GROUP_M=tuning.l1_group_m,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -744,16 +774,17 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
     off = c.off
     y3 = y if y.dim() == 3 else y.unsqueeze(0)
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
-    grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
+    grid = (_programs(buffer, tuning, tuning.combine_per_sm), buffer.local_ranks)
     _combine.combine_kernel[grid](
         buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, y3, y3.stride(0),
         y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
         off["off_combine_y"], off["off_combine_flag"], off["off_l2_ranks_done"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
-        K=cfg.top_k, K_PAD=c.K_PAD, BH=min(next_pow2(cfg.hidden), tuning.hidden_chunk),
+        K=cfg.top_k, K_PAD=c.K_PAD,
+        BH=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
+        **tuning.pdl_args(buffer), **_launch_kw(tuning.combine_warps or tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],

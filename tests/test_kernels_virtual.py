@@ -268,7 +268,14 @@ def test_bad_granularity_names_what_is_allowed(gen):
         stages.Tuning(dispatch_tile=3)
     with pytest.raises(ValueError, match="l2_signal must be 'rank' or 'rows'"):
         stages.Tuning(l2_signal="tile")
-    for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts"):
+    for name in ("copy_warps", "combine_warps", "hidden_chunk", "combine_chunk"):
+        for bad in (3, 0, 2.0, True):
+            with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+                stages.Tuning(**{name: bad})
+    with pytest.raises(ValueError, match="combine_warps must be at most 16"):
+        stages.Tuning(combine_warps=32)
+    for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
+                 "l1_group_m"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
                 stages.Tuning(**{name: bad})
@@ -476,11 +483,28 @@ def test_bad_arguments_name_what_is_wrong(gen):
                                                                       # plain loop with rows
     stages.Tuning(pdl=True, wait=False),      # launches overlap their predecessor's tail (GPU;
     stages.Tuning(pdl=False, wait=False),     # the interpreter ignores it) / plain launches
+    # the staged combine with its own launch shape, summing rows in 64-column chunks (hidden
+    # 256: four chunks per token, so the chunk loop's offsets are exercised)
+    stages.Tuning(combine_warps=8, combine_per_sm=1, combine_chunk=64),
+    # L1 tickets in groups of m-blocks (m fastest within a group): 3 does not divide the
+    # m-block count, so the last group is smaller; L1 blocks wait on their m-block's arrivals
+    stages.Tuning(l1_group_m=3),
+    stages.Tuning(l1_group_m=8, wait=False, programs=3),   # one group holds every m-block
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
-        "flat-rows", "pdl", "no-pdl"])
+        "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
+
+
+def test_l1_groups_where_an_m_block_has_many_column_blocks():
+    # an H200 (132 SMs) at the model shapes' L1 column blocks (intermediate / 128): mixtral's
+    # 112 would leave about one m-block in flight with n fastest; the others keep n fastest
+    sms = 132
+    assert stages.l1_group_m_for(14336 // 128, sms) == 8     # mixtral
+    for intermediate in (2048, 768):                         # dsv3 / v4flash, qwen3
+        assert stages.l1_group_m_for(intermediate // 128, sms) == 1
+    assert stages.l1_group_m_for(33, sms) == 1 and stages.l1_group_m_for(34, sms) == 8
 
 
 def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,

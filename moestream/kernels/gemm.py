@@ -41,12 +41,6 @@ from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp
 
 
 @triton.jit
-def block_meta_of(block_meta, ticket, total, NB):
-    """block_meta entry of the block of ``ticket`` (0 past the last ticket)."""
-    return tl.load(block_meta + ticket // NB, mask=ticket < total, other=0)
-
-
-@triton.jit
 def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
     """(m_block, n_block) of ``ticket`` when tickets walk GROUP_M m-blocks at a time, m
     fastest within a group (the usual GEMM swizzle): the programs running at once share a few
@@ -58,6 +52,16 @@ def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
     size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)   # >= 1 past the last ticket
     r = ticket % per_group
     return first_m + r % size_m, r // size_m
+
+
+@triton.jit
+def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
+    """(m_block, n_block) of an L1 ticket: ``grouped_tile``, n fastest by plain division
+    when GROUP_M is 1 (the form the L1 had before grouping; the same machine code)."""
+    if GROUP_M == 1:
+        return ticket // NB, ticket % NB
+    else:
+        return grouped_tile(ticket, num_m, NB, GROUP_M)
 
 
 @triton.jit
@@ -384,6 +388,7 @@ def l1_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
+    GROUP_M: tl.constexpr = 1,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -393,7 +398,11 @@ def l1_kernel(
     (``l1_decode_block``; the fp8 form loads by descriptor too); with TAIL only in blocks of
     at most DM valid rows (tail pieces), fuller blocks as usual.
     WAIT: a block waits until its m-block's arrival count reaches valid_m * PARTS.
-    SIGNAL: a finished block release-adds its m-block's ``l1_done`` (for an L2 that waits)."""
+    SIGNAL: a finished block release-adds its m-block's ``l1_done`` (for an L2 that waits).
+    GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``). With n fastest
+    (1) and many column blocks (mixtral: I / BN = 112 against 132 SMs), the programs running
+    at once cover about one m-block, so every m-block streams its expert's whole w13 from
+    HBM again; grouped, the m-blocks of a group share each weight tile while it is cached."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     pdl_enter(PDL)
@@ -417,18 +426,22 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
     NB = I // BN
-    total = tl.load(block_start + E_LOC) * NB
+    num_m = tl.load(block_start + E_LOC)
+    total = num_m * NB
     ticket = pid
     ok = pid >= 0
-    meta = block_meta_of(block_meta, ticket, total, NB)
+    meta = tl.load(block_meta + l1_tile_of(ticket, num_m, NB, GROUP_M)[0], mask=ticket < total,
+                   other=0)
     while (ticket < total) & ok:
-        meta_next = block_meta_of(block_meta, ticket + nprog, total, NB)  # lands meanwhile
+        mb, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
+        meta_next = tl.load(block_meta + l1_tile_of(ticket + nprog, num_m, NB, GROUP_M)[0],
+                            mask=ticket + nprog < total, other=0)   # lands meanwhile
         if WAIT:
-            ok = wait_at_least(arrival + ticket // NB, (meta & 511) * PARTS, diag, max_spins,
-                               timeout_ns, 2, rank, ticket // NB, epoch, -1, SCOPE="gpu",
+            ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
+                               timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l1_either_block(ticket // NB, ticket % NB, meta, table, rank, l1_done, pool_x,
+            l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
                             USE_TMA, FP8, DM, W4, TAIL, SIGNAL)
