@@ -145,8 +145,8 @@ class Tuning:
         fused launch and the staged combine.
     copy_warps: warps of the staged copy launches (publish, numbering, dispatch).
     combine_warps, combine_per_sm: warps and programs per SM of the staged combine launch
-        (None = copy_warps). The combine only loads and sums rows; session 13 saw it 15 %
-        faster with 8 warps at dsv3 dims where dispatch was 1.4x slower with them.
+        (None = copy_warps). The combine only loads and sums rows: 8 warps made it faster at
+        dsv3 dims (sessions 13, 14) where dispatch was 1.4x slower with them.
     l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
         an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
         registers) and several programs per SM, so one program's epilogue overlaps
@@ -238,8 +238,9 @@ class Tuning:
         128-row tile, most at qwen3's short K). Smaller fp8 m-blocks keep that 8-warp tile
         (4 stages; the pieces were measured at block_m 128 only).
         Dispatch (session 8): tickets of 4 source tokens with eager loads, as the fused
-        launch's tasks (sweep F3)."""
-        copy = dict(dispatch_tile=4, dispatch_eager=True, wait=False)
+        launch's tasks (sweep F3). Combine with 8 warps (session 14: dsv3 2048 / 8192 tokens
+        97 -> 87 / 394 -> 330 µs, qwen3 and mixtral equal)."""
+        copy = dict(dispatch_tile=4, dispatch_eager=True, wait=False, combine_warps=8)
         if dtype == "fp4w":   # pointer loads, 64-row pieces (session 9, benchmarks/quant_gemm.py)
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
                        l2_block_n=128, fp4w_rows=min(64, block_m), **copy)
