@@ -71,6 +71,14 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
     return rows(block_m), (rows(block_m // l2_split_m) if dtype == "fp8" else 0)
 
 
+# Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
+# (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14, one
+# A/B on 2x H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 ->
+# 695, qwen3 2048 / 8192 53 -> 50 / 196 -> 183, mixtral 8192 (16384 picks) 244 -> 245; with
+# fewer picks 8 was slower: 512 tokens +13..18 % on all three shapes, mixtral 2048 66 -> 72.
+DISPATCH_TILE8_PICKS = 16384
+
+
 def l1_group_m_for(column_blocks: int, sms: int) -> int:
     """``Tuning.l1_group_m`` for an L1 of ``column_blocks`` column blocks per m-block on a
     GPU of ``sms`` SMs: 8 when the programs running at once (about one per SM) cover fewer
@@ -275,7 +283,9 @@ class Tuning:
         session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Larger staged
         calls run tail pieces (``tail_rows_for``). bf16 L1 column blocks are narrowed when a
         call touches so few experts that 128-wide blocks leave SMs idle (each block then
-        streams its weights alone)."""
+        streams its weights alone). Large calls dispatch in tiles of 8 tokens
+        (``DISPATCH_TILE8_PICKS``); L1 tickets walk groups of m-blocks where an m-block has
+        many column blocks (``l1_group_m_for``)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
         if not sms:
@@ -291,6 +301,8 @@ class Tuning:
                                              block_m=cfg.block_m, dtype=cfg.dtype,
                                              l2_split_m=t.l2_split_m)
             t = replace(t, l1_tail_rows=l1_tail, l2_tail_rows=l2_tail)
+        if tokens * cfg.top_k >= DISPATCH_TILE8_PICKS:
+            t = replace(t, dispatch_tile=8)
         if not cfg.fp8_tokens:   # fp8 / fp4w: a block quantizes 128 columns
             # under uniform routing a rank receives about tokens * top_k picks
             touched = min(cfg.experts_per_rank(buffer.num_ranks), max(1, tokens * cfg.top_k))

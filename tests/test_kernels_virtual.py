@@ -490,9 +490,13 @@ def test_bad_arguments_name_what_is_wrong(gen):
     # m-block count, so the last group is smaller; L1 blocks wait on their m-block's arrivals
     stages.Tuning(l1_group_m=3),
     stages.Tuning(l1_group_m=8, wait=False, programs=3),   # one group holds every m-block
+    # 8-token dispatch tickets with eager loads (large calls on GPUs): 21 and 10 tokens end
+    # in partly filled tiles
+    stages.Tuning(dispatch_tile=8, dispatch_eager=True),
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
-        "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8"])
+        "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8",
+        "dispatch-tile8"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 
@@ -717,6 +721,27 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     assert stages.Tuning.for_call(buf, 512, decode=False).l1_tail_rows == 0
     assert stages.fused_tuning(buf, 512).l1_tail_rows == 0
     buf.destroy()
+
+
+@pytest.mark.parametrize("shape, tokens, tile, group", [
+    ("dsv3", 2048, 8, 1),      # 16384 picks: 8-token dispatch tickets; 16 L1 column blocks
+    ("dsv3", 512, None, 1),    # 4096 picks: the buffer's default tickets (8 measured slower)
+    ("mixtral", 2048, None, 8),   # top-2: 4096 picks; 112 L1 column blocks: grouped tickets
+    ("mixtral", 8192, 8, 8),
+    ("qwen3", 8192, 8, 1),
+])
+def test_for_call_sizes_dispatch_tiles_and_l1_groups(shape, tokens, tile, group):
+    # the GPU's SM count in place, as in the test above; the fp8 layer follows the same rules
+    from dataclasses import replace as dc_replace
+    for dtype in ("bf16", "fp8"):
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens, dtype=dtype)
+        buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+        buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
+        t = stages.Tuning.for_call(buf, tokens)
+        want = tile or stages.Tuning.for_buffer(buf).dispatch_tile   # Hopper's is 4
+        assert (t.dispatch_tile, t.l1_group_m) == (want, group), dtype
+        assert stages.fused_tuning(buf, tokens).dispatch_tile == 4   # the fused launch's own
+        buf.destroy()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
