@@ -390,7 +390,9 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     stages.Tuning(fp4w_rows=64, l1_block_n=256, l2_block_n=64, l2_signal="rows"),
     # 32-row pieces, no waits, three programs walking the tiles
     stages.Tuning(fp4w_rows=32, wait=False, programs=3),
-], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait"])
+    # L1 tickets in groups of 3 m-blocks (Tuning.for_call's choice at mixtral dims), waits on
+    stages.Tuning(fp4w_rows=32, l1_group_m=3),
+], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3"])
 def test_fp4w_layer_in_row_pieces(device, gen, tuning):
     # block_m 64, two experts per rank, top-2: ~50 rows per expert
     check_tuned_fp4w_layer(fp8_config(num_experts=4, block_m=64, max_tokens_per_rank=56,

@@ -742,6 +742,12 @@ def test_for_call_sizes_dispatch_tiles_and_l1_groups(shape, tokens, tile, group)
         assert (t.dispatch_tile, t.l1_group_m) == (want, group), dtype
         assert stages.fused_tuning(buf, tokens).dispatch_tile == 4   # the fused launch's own
         buf.destroy()
+    # fp4w: never grouped (its L1 is bound by the in-kernel weight decode)
+    cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens, dtype="fp4w")
+    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+    buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
+    assert stages.Tuning.for_call(buf, tokens).l1_group_m == 1
+    buf.destroy()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
