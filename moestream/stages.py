@@ -72,10 +72,11 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
 
 
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
-# (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14, one
-# A/B on 2x H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 ->
-# 695, qwen3 2048 / 8192 53 -> 50 / 196 -> 183, mixtral 8192 (16384 picks) 244 -> 245; with
-# fewer picks 8 was slower: 512 tokens +13..18 % on all three shapes, mixtral 2048 66 -> 72.
+# (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14 on 2x
+# H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 -> 695, qwen3
+# 2048 / 8192 53 -> 50 / 196 -> 183, mixtral 8192 (16384 picks) 244 -> 245; with fewer picks
+# 8 was slower: 512 tokens +13..18 % on all three shapes, mixtral 2048 66 -> 72. A second run
+# in the other order (default 8 against 4) agreed at 7 of 8 bf16 and fp8 points.
 DISPATCH_TILE8_PICKS = 16384
 
 

@@ -57,7 +57,7 @@ def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
 @triton.jit
 def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
     """(m_block, n_block) of an L1 ticket: ``grouped_tile``, n fastest by plain division
-    when GROUP_M is 1 (the form the L1 had before grouping; the same machine code)."""
+    when GROUP_M is 1 (the form the L1 had before grouping)."""
     if GROUP_M == 1:
         return ticket // NB, ticket % NB
     else:
