@@ -7,6 +7,8 @@ against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
   SMs; all L1 blocks of a wave are handed out, then the wave's L2 blocks, then the next wave,
   so L2 of wave w overlaps dispatch/L1 of wave w+1;
 - *blocks* (expert, m_block, n_block), n fastest, so concurrent programs share the A rows;
+  L1 blocks optionally in groups of m-blocks (``l1_group_m``), so that where an m-block has
+  many column blocks (mixtral) concurrent programs share weight tiles instead;
 - *tokens*: dispatch tasks (one per source token) and combine tasks (one per own token).
 
 Ticket order on one rank: every dispatch task, then wave by wave its L1 then its L2 blocks, then
@@ -167,8 +169,18 @@ def _wave_of(waves: Sequence[tuple[int, int]], expert: int) -> int:
     raise AssertionError(f"expert {expert} is in no wave {waves}")
 
 
+def l1_wave_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[tuple[int, int]]:
+    """(m_block, n_block) of a wave's L1 tickets in order: n fastest, or with ``group_m`` > 1
+    in groups of that many m-blocks, m fastest within a group (the last group may be smaller;
+    ``kernels/gemm.grouped_tile``)."""
+    ms = list(m_blocks)
+    return [(m, n) for g in range(0, len(ms), group_m) for n in range(n_blocks)
+            for m in ms[g:g + group_m]]
+
+
 def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: int,
-                   block_m: int, n_blocks_l1: int, n_blocks_l2: int, num_sms: int) -> Schedule:
+                   block_m: int, n_blocks_l1: int, n_blocks_l2: int, num_sms: int,
+                   l1_group_m: int = 1) -> Schedule:
     """The schedule of one call from every rank's routing (plain nested lists of ints).
 
     Args:
@@ -176,6 +188,8 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         num_experts: E over all ranks; rank r owns [r*E/R, (r+1)*E/R).
         block_m: pool block rows. n_blocks_l1 / n_blocks_l2: column blocks of L1 (I) and L2 (H).
         num_sms: programs that fit on the device at once (sizes the waves).
+        l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``l1_wave_order``,
+            ``Tuning.l1_group_m``).
     """
     R = len(topk_idx)
     if R == 0 or num_experts % R:
@@ -217,12 +231,13 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
                              num_sms=num_sms)
         tickets = [Task(d, Phase.DISPATCH, source=s, token=t)
                    for s in range(R) for t in range(len(topk_idx[s]))]
+        expert_of = [e for e in range(e_loc) for _ in range(block_start[e], block_start[e + 1])]
         for w, (a, b) in enumerate(waves):
-            for phase, n_blocks in ((Phase.L1, n_blocks_l1), (Phase.L2, n_blocks_l2)):
-                for e in range(a, b):
-                    for mb in range(block_start[e], block_start[e + 1]):
-                        tickets += [Task(d, phase, expert=e, m_block=mb, n_block=n, wave=w)
-                                    for n in range(n_blocks)]
+            mbs = range(block_start[a], block_start[b])
+            tickets += [Task(d, Phase.L1, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
+                        for mb, n in l1_wave_order(mbs, n_blocks_l1, l1_group_m)]
+            tickets += [Task(d, Phase.L2, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
+                        for mb, n in l1_wave_order(mbs, n_blocks_l2)]
         tickets += [Task(d, Phase.COMBINE, token=t) for t in range(len(topk_idx[d]))]
         plans.append(RankPlan(d, expert_count, block_start, src_row, pool_src, waves, tickets))
     top_k = max((len(row) for rows in topk_idx for row in rows), default=0)

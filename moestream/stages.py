@@ -883,7 +883,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         EAGER=tuning.dispatch_eager, CT=tuning.combine_tile,
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
-        ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8,
+        ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                      tuning.fused_stages or tuning.l1_stages))
 

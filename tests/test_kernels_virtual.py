@@ -802,25 +802,28 @@ def test_run_staged_marks_each_stage_in_order(gen):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves", [
-    (2, [24, 20], 6, True),      # two ranks, several expert waves each
-    (3, [10, 0, 24], 4, False),  # a rank with no tokens still serves its experts
+@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, group", [
+    (2, [24, 20], 6, True, 1),      # two ranks, several expert waves each
+    (3, [10, 0, 24], 4, False, 1),  # a rank with no tokens still serves its experts
+    # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
+    (2, [24, 20], 6, True, 3),
 ])
 def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
-                                                          several_waves):
+                                                          several_waves, group):
     # the fused kernel's tickets, decoded on the device, are moestream.schedule's virtual order
     cfg = small_config(num_experts=R * e_per_rank)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    tuning = stages.Tuning(wave_blocks=8)   # small waves on any device, so several form
+    # small waves on any device, so several form
+    tuning = stages.Tuning(wave_blocks=8, l1_group_m=group)
     trace = torch.full((stages.max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
     y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
     stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
     buf.check()
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
                            block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=8)
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=8, l1_group_m=group)
     want = []
     for t in sched.virtual_order():
         if t.phase == 0:
@@ -832,6 +835,8 @@ def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_
     got = [tuple(r) for r in trace[:len(want), :5].cpu().tolist()]
     assert got == want
     assert int((trace[len(want):, 0] != -9).sum()) == 0   # no ticket past the last
+    check_layer([y[r, :T] for r, T in enumerate(Ts)], xs, idxs, ws, w13s, w2s,
+                hidden=cfg.hidden)   # and the layer is right in that order
     if several_waves:   # ~7 picks per expert, 2 L1 blocks each: a wave closes after 4 experts
         assert any(len(p.waves) > 1 for p in sched.plans)
 

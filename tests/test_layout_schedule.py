@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from moestream import MoEConfig, bytes_per_rank, make_layout
 from moestream.layout import ALIGN
-from moestream.schedule import Phase, build_schedule, expert_waves, valid_m
+from moestream.schedule import Phase, build_schedule, expert_waves, l1_wave_order, valid_m
 
 
 def test_regions_aligned_disjoint_and_sized():
@@ -56,7 +56,13 @@ def schedules(draw):
                           min_size=0, max_size=10)) for _ in range(R)]
     return build_schedule(topk, num_experts=E, block_m=draw(st.sampled_from([1, 2, 4])),
                           n_blocks_l1=draw(st.integers(1, 3)), n_blocks_l2=draw(st.integers(1, 3)),
-                          num_sms=draw(st.integers(1, 8)))
+                          num_sms=draw(st.integers(1, 8)), l1_group_m=draw(st.integers(1, 3)))
+
+
+def test_l1_wave_order_groups_m_blocks():
+    # n fastest, and groups of 2 m-blocks (m fastest within a group, a last group of one)
+    assert l1_wave_order(range(3, 6), 2) == [(3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)]
+    assert l1_wave_order(range(3, 6), 2, 2) == [(3, 0), (4, 0), (3, 1), (4, 1), (5, 0), (5, 1)]
 
 
 @settings(max_examples=80, deadline=None)

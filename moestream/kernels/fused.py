@@ -4,7 +4,8 @@ Programs take tickets from an atomic counter, in the dependency order of
 ``moestream.schedule`` (``Schedule.virtual_order`` for the launch's local ranks):
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
-    per local rank, per expert wave: its L1 blocks (m-block, n fastest), then its L2 blocks
+    per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
+        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks
     every combine task (local rank, CT tokens from token j * CT)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
@@ -34,8 +35,8 @@ from triton.language.extra.cuda import smid
 from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import (expert_weights, l1_block, l1_descriptors, l1_fp8_pool_block, l2_block,
-                   l2_descriptors, l2_fp8_pool_block)
+from .gemm import (expert_weights, l1_block, l1_descriptors, l1_fp8_pool_block, l1_tile_of,
+                   l2_block, l2_descriptors, l2_fp8_pool_block)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -100,8 +101,10 @@ def fused_kernel(
     BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1,
 ):
+    """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
+    within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest."""
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
@@ -171,8 +174,8 @@ def fused_kernel(
                 w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
                 w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
             if in_wave < n_mb * NB1:
-                mb = w0 + in_wave // NB1
-                nb = in_wave % NB1
+                mb, nb = l1_tile_of(in_wave, n_mb, NB1, GROUP_M1)
+                mb += w0
                 meta = tl.load(block_meta + mb)
                 # wait for every m-block of the block's chunk: CHUNK_MB consecutive m-blocks
                 # of its expert (1: just its own block, the token-granular mode)
