@@ -169,8 +169,8 @@ def _wave_of(waves: Sequence[tuple[int, int]], expert: int) -> int:
     raise AssertionError(f"expert {expert} is in no wave {waves}")
 
 
-def l1_wave_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[tuple[int, int]]:
-    """(m_block, n_block) of a wave's L1 tickets in order: n fastest, or with ``group_m`` > 1
+def wave_block_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[tuple[int, int]]:
+    """(m_block, n_block) of a wave's GEMM tickets in order: n fastest, or with ``group_m`` > 1
     in groups of that many m-blocks, m fastest within a group (the last group may be smaller;
     ``kernels/gemm.grouped_tile``)."""
     ms = list(m_blocks)
@@ -188,9 +188,12 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         num_experts: E over all ranks; rank r owns [r*E/R, (r+1)*E/R).
         block_m: pool block rows. n_blocks_l1 / n_blocks_l2: column blocks of L1 (I) and L2 (H).
         num_sms: programs that fit on the device at once (sizes the waves).
-        l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``l1_wave_order``,
+        l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``wave_block_order``,
             ``Tuning.l1_group_m``).
     """
+    if isinstance(l1_group_m, bool) or not isinstance(l1_group_m, int) or l1_group_m < 1:
+        raise ValueError(f"l1_group_m must be an int >= 1 (m-blocks per group), got "
+                         f"{l1_group_m!r}")
     R = len(topk_idx)
     if R == 0 or num_experts % R:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the rank count ({R})")
@@ -235,9 +238,9 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         for w, (a, b) in enumerate(waves):
             mbs = range(block_start[a], block_start[b])
             tickets += [Task(d, Phase.L1, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
-                        for mb, n in l1_wave_order(mbs, n_blocks_l1, l1_group_m)]
+                        for mb, n in wave_block_order(mbs, n_blocks_l1, l1_group_m)]
             tickets += [Task(d, Phase.L2, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
-                        for mb, n in l1_wave_order(mbs, n_blocks_l2)]
+                        for mb, n in wave_block_order(mbs, n_blocks_l2)]
         tickets += [Task(d, Phase.COMBINE, token=t) for t in range(len(topk_idx[d]))]
         plans.append(RankPlan(d, expert_count, block_start, src_row, pool_src, waves, tickets))
     top_k = max((len(row) for rows in topk_idx for row in rows), default=0)

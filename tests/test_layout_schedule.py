@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from moestream import MoEConfig, bytes_per_rank, make_layout
 from moestream.layout import ALIGN
-from moestream.schedule import Phase, build_schedule, expert_waves, l1_wave_order, valid_m
+from moestream.schedule import Phase, build_schedule, expert_waves, wave_block_order, valid_m
 
 
 def test_regions_aligned_disjoint_and_sized():
@@ -59,10 +59,10 @@ def schedules(draw):
                           num_sms=draw(st.integers(1, 8)), l1_group_m=draw(st.integers(1, 3)))
 
 
-def test_l1_wave_order_groups_m_blocks():
+def test_wave_block_order_groups_m_blocks():
     # n fastest, and groups of 2 m-blocks (m fastest within a group, a last group of one)
-    assert l1_wave_order(range(3, 6), 2) == [(3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)]
-    assert l1_wave_order(range(3, 6), 2, 2) == [(3, 0), (4, 0), (3, 1), (4, 1), (5, 0), (5, 1)]
+    assert wave_block_order(range(3, 6), 2) == [(3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)]
+    assert wave_block_order(range(3, 6), 2, 2) == [(3, 0), (4, 0), (3, 1), (4, 1), (5, 0), (5, 1)]
 
 
 @settings(max_examples=80, deadline=None)
@@ -111,3 +111,7 @@ def test_bad_schedule_input():
         build_schedule([[[5]]], num_experts=4, block_m=1, n_blocks_l1=1, n_blocks_l2=1, num_sms=1)
     with pytest.raises(ValueError, match="divisible"):
         build_schedule([[], []], num_experts=3, block_m=1, n_blocks_l1=1, n_blocks_l2=1, num_sms=1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="l1_group_m must be an int >= 1"):
+            build_schedule([[[0]]], num_experts=1, block_m=1, n_blocks_l1=1, n_blocks_l2=1,
+                           num_sms=1, l1_group_m=bad)
