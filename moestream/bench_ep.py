@@ -42,6 +42,9 @@ Providers, measured in the same run on the same inputs:
                   untimed one), so the stages add up to the staged-graph time.
     staged-tuned-graph-stages, fp8-staged-tuned-graph-stages
                   that split with the ``tuning`` overrides of the -tuned-graph providers.
+    fused-tuned-graph, fp8-fused-tuned-graph
+                  fused-graph / fp8-fused-graph with the ``tuning`` overrides on top of the
+                  fused launch's defaults (``stages.fused_default``).
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -68,7 +71,8 @@ PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-sta
              "fp8-staged-stages", "staged-graph-stages", "fp8-staged-graph-stages",
              "staged-tuned-graph", "fp8-staged-tuned-graph", "fp4w-staged", "fp4w-staged-graph",
              "fp4w-staged-stages", "fp4w-staged-graph-stages", "fp4w-staged-tuned-graph",
-             "staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages")
+             "staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages", "fused-tuned-graph",
+             "fp8-fused-tuned-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -374,10 +378,12 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                         return mega_moe(a[0], a[1], a[2], q13, q2, b, impl=impl)
                     return call
 
-                def tuned(b, ws):
+                def tuned(b, ws, impl="staged"):
+                    default = (stages.fused_default if impl == "fused"
+                               else stages.Tuning.for_call)
                     def call(a):
-                        t = replace(stages.Tuning.for_call(b, a[0].shape[0]), **tuning)
-                        return mega_moe(a[0], a[1], a[2], ws[0], ws[1], b, tuning=t)
+                        t = replace(default(b, a[0].shape[0]), **tuning)
+                        return mega_moe(a[0], a[1], a[2], ws[0], ws[1], b, tuning=t, impl=impl)
                     return call
                 calls = {
                     "staged": ours("staged"), "staged-graph": ours("staged"),
@@ -389,6 +395,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     "staged-tuned-graph": tuned(buf, (w13, w2)),
                     "fp8-staged-tuned-graph": tuned(*qbuf.get("fp8", none)),
                     "fp4w-staged-tuned-graph": tuned(*qbuf.get("fp4w", none)),
+                    "fused-tuned-graph": tuned(buf, (w13, w2), "fused"),
+                    "fp8-fused-tuned-graph": tuned(*qbuf.get("fp8", none), "fused"),
                     "torch": lambda a: moe_forward_a2a(a[0], a[1], a[2], w13, w2,
                                                       num_experts=cfg.num_experts),
                 }

@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
                         "staged-graph-stages, fp8-staged-graph-stages (the same in a graph), "
                         "staged-tuned-graph, fp8-staged-tuned-graph, and their -stages "
-                        "forms (with --tuning)")
+                        "forms, fused-tuned-graph, fp8-fused-tuned-graph (with --tuning)")
     b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
     b.add_argument("--tuning", default="",
                    help="stages.Tuning overrides of the *-tuned-graph(-stages) providers, e.g. "

@@ -24,7 +24,7 @@ from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
 
 __all__ = ["Tuning", "publish", "layout", "dispatch", "l1", "l2", "combine", "fused",
-           "run_staged", "run_fused", "fused_tuning", "max_tickets", "STAGES", "resident_per_sm",
+           "run_staged", "run_fused", "fused_tuning", "fused_default", "max_tickets", "STAGES", "resident_per_sm",
            "pick_slots", "decode_rows_for", "tail_rows_for"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
@@ -109,6 +109,9 @@ class Tuning:
         kernels/gemm.py; measured faster) or "sys".
     wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
     fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
+    fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
+        SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces where the L2 has
+        at least that many blocks).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -150,6 +153,8 @@ class Tuning:
         m-block; the m-block's last tile releases each row's combine flag, as the fused
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
     combine_tile: tokens per combine task of the fused launch (a power of two).
+    combine_parts: column parts of the hidden dimension per combine_tile tokens in the fused
+        launch, each its own task (``fused_default``: enough tasks for the SMs at small T).
     combine_chunk: hidden columns a combine task sums at once (None = hidden_chunk), in the
         fused launch and the staged combine.
     copy_warps: warps of the staged copy launches (publish, numbering, dispatch).
@@ -212,11 +217,13 @@ class Tuning:
     wave_blocks: int | None = None
     fused_warps: int | None = None
     fused_stages: int | None = None
+    fused_per_sm: int = 1
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
     dispatch_programs: int = 0
     combine_tile: int = 1
+    combine_parts: int = 1
     combine_chunk: int | None = None
     combine_warps: int | None = None
     combine_per_sm: int = 4
@@ -346,14 +353,21 @@ class Tuning:
         sms = sms or _constants(buffer).sms
         if not sms:
             return self
-        l2n = 128 if buffer.config.hidden % 128 == 0 else self.l2_tile(buffer.config)[0]
+        cfg = buffer.config
+        l2n = 128 if cfg.hidden % 128 == 0 else self.l2_tile(cfg)[0]
+        # decode pieces: two programs per SM (~100 KB of shared memory each), unless the L2
+        # has fewer blocks than that (mixtral: 4 experts x 32 column blocks of K = 14336,
+        # which then share SMs while others idle; session 15: 473 vs 518 µs at 8 tokens)
+        l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
+        per_sm = 2 if self.decode_rows and l2_blocks >= 2 * sms else 1
         return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=4,
-                       dispatch_eager=True, combine_tile=4, combine_chunk=512)
+                       dispatch_eager=True, combine_tile=4, combine_chunk=512,
+                       fused_per_sm=per_sm)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
                      "l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                     "l1_group_m"):
+                     "l1_group_m", "fused_per_sm", "combine_parts"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -837,7 +851,8 @@ def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     """Most tickets one fused launch can hand out (sizes a trace buffer)."""
     cfg = buffer.config
     nb12 = cfg.intermediate // tuning.l1_tile(cfg)[0] + cfg.hidden // tuning.l2_tile(cfg)[0]
-    per_rank = ((buffer.num_ranks + 1) * cfg.max_tokens_per_rank
+    T = cfg.max_tokens_per_rank
+    per_rank = (buffer.num_ranks * T + cdiv(T, tuning.combine_tile) * tuning.combine_parts
                 + cfg.max_m_blocks(buffer.num_ranks) * nb12)
     return buffer.local_ranks * per_rank
 
@@ -856,15 +871,16 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     bn1, bk1 = tuning.l1_tile(cfg)
     bn2, bk2 = tuning.l2_tile(cfg)
     fp8 = cfg.dtype == "fp8"
-    tma = tuning.tma(buffer) and not fp8
+    dm = tuning.decode_pieces(cfg)
+    # fp8 whole tiles load by pointer (as the staged fp8 L1), decode pieces by descriptor
+    tma = tuning.tma(buffer) and (not fp8 or dm > 0)
     _ensure_allocator(tma)
     y3 = y if y.dim() == 3 else y.unsqueeze(0)
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     nloc = buffer.local_ranks
-    programs = tuning.programs or (c.sms if c.sms else 2)
     w13_tab, w13s_tab = _weight_tables(buffer, w13s)
     w2_tab, w2s_tab = _weight_tables(buffer, w2s)
-    _fused.fused_kernel[(programs, 1)](
+    args = (
         buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
         buffer.max_spins, buffer.timeout_ns,
@@ -876,7 +892,8 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
         c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.dispatch_tokens,
-        tuning.chunk_blocks,
+        tuning.chunk_blocks, tuning.combine_parts)
+    kw = dict(
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
         BH=min(next_pow2(c.row_words), tuning.hidden_chunk), TT=tuning.dispatch_tile,
@@ -884,8 +901,36 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
-        **_launch_kw(tuning.fused_warps or tuning.l1_warps,
-                     tuning.fused_stages or tuning.l1_stages))
+        DM=dm, **_launch_kw(tuning.fused_warps or tuning.l1_warps,
+                            tuning.fused_stages or tuning.l1_stages))
+    # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs
+    # never wait in a cycle however few are resident, kernels/fused.py; co-resident is faster)
+    grid = (_programs(buffer, tuning, tuning.fused_per_sm, _fused.fused_kernel, args, kw), 1)
+    _fused.fused_kernel[grid](*args, **kw)
+
+
+def fused_default(buffer: SymmBuffer, tokens: int) -> Tuning:
+    """The fused launch's default tuning for a call of ``tokens`` tokens per rank:
+    ``Tuning.for_call`` without tail pieces (the fused launch has none), in decode pieces
+    where ``decode_rows_for`` puts a staged call in them (``Tuning.decode``'s tiles, 4 warps),
+    then ``for_fused``, with combine tasks split into column parts at small T."""
+    t = Tuning.for_call(buffer, tokens, decode=False)
+    cfg = buffer.config
+    dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
+                         num_experts=cfg.num_experts, block_m=cfg.block_m)
+    sms = _constants(buffer).sms
+    if dm and sms and cfg.dtype != "fp4w":
+        t = t.decode(dm, cfg)
+    t = t.for_fused(buffer)
+    # combine tasks of combine_tile tokens are few at small T (128 tokens: 32 programs sum
+    # every row, a 70-340 µs tail in session 15's traces): split the columns until the
+    # tasks cover the SMs, down to parts of 256 columns
+    parts = 1
+    tasks = cdiv(max(tokens, 1), t.combine_tile)
+    while sms and tasks * parts < sms and cfg.hidden % (2 * parts) == 0 \
+            and cfg.hidden // (2 * parts) >= 256:
+        parts *= 2
+    return replace(t, combine_parts=parts)
 
 
 def fused_tuning(buffer: SymmBuffer, tokens: int, *, tuning: Tuning | None = None,
@@ -893,7 +938,7 @@ def fused_tuning(buffer: SymmBuffer, tokens: int, *, tuning: Tuning | None = Non
     """The tuning a fused call with ``tokens`` tokens (the most of any local rank) runs with:
     ``tuning`` (default: ``Tuning.for_call(...).for_fused(...)``), its dispatch task size
     resolved from ``dispatch_programs`` in token mode, in streaming mode ``granularity``."""
-    tuning = tuning or Tuning.for_call(buffer, tokens, decode=False).for_fused(buffer)
+    tuning = tuning or fused_default(buffer, tokens)
     if tuning.dispatch_programs and granularity == "token":
         tuning = replace(tuning, dispatch_tokens=max(1, cdiv(buffer.num_ranks * tokens,
                                                              tuning.dispatch_programs)))

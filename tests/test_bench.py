@@ -257,6 +257,12 @@ def test_tuned_providers_and_their_overrides():
     for p in ("staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"):
         assert _tuned(p) and _stagewise(p) and not _replayed(p)
     assert not _tuned("staged-graph-stages")
+    # the fused launch's: replayed from graphs, with the overrides on its own defaults
+    check_providers(["fused-tuned-graph", "fp8-fused-tuned-graph"], {"fused_per_sm": 1})
+    assert _tuned("fused-tuned-graph") and _replayed("fp8-fused-tuned-graph")
+    assert _dtype("fp8-fused-tuned-graph") == "fp8"
+    with pytest.raises(ValueError, match="need Tuning overrides"):
+        check_providers(["fused-tuned-graph"])
     with pytest.raises(ValueError, match="need Tuning overrides"):
         check_providers(["fp8-staged-tuned-graph-stages"])
     with pytest.raises(ValueError, match="need Tuning overrides"):

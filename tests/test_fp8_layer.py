@@ -195,13 +195,14 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
         check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(Ts))
 
 
-def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None) -> None:
-    """One fp8 staged call with ``tuning`` on len(Ts) virtual ranks against the quantized
+def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None,
+                          impl="staged") -> None:
+    """One fp8 call (``impl``) with ``tuning`` on len(Ts) virtual ranks against the quantized
     reference, buffer poisoned first (``routing`` as ``make_case`` takes it)."""
     buf = SymmBuffer(cfg, num_ranks=len(Ts), device=device)
     poison(buf)
     xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning, impl=impl)
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
 
 
@@ -264,12 +265,24 @@ def test_fp8_decode_pieces(device, gen, Ts, tuning):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_fp8_decode_pieces_of_a_full_block(device, gen):
+@pytest.mark.parametrize("impl", ["staged", "fused"])
+def test_fp8_decode_pieces_of_a_full_block(device, gen, impl):
     # block_m 64, two experts, top-2: ~57 rows per expert, so two 32-row pieces per m-block
-    # (r0 = 32 for the second: its rows' scales and combine slots); T=3 on one rank
+    # (r0 = 32 for the second: its rows' scales and combine slots); T=3 on one rank. The
+    # fused launch: each L2 block releases its rows after the second piece
     check_tuned_fp8_layer(fp8_config(num_experts=2, block_m=64, max_tokens_per_rank=64),
                           [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128),
-                          gen, device, drop=0.05)
+                          gen, device, drop=0.05, impl=impl)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fp8_fused_launch_in_decode_pieces(device, gen):
+    # the fused fp8 launch in decode pieces: T=1 on one rank (one 16-row piece per block),
+    # ~30 rows per expert on the other side (32-row pieces), pointer loads, 256-wide L1
+    # blocks (two scale groups per piece)
+    check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
+                          [1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256),
+                          gen, device, drop=0.05, impl="fused")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -180,7 +180,7 @@ def test_layer_matches_reference(device, gen, case, impl):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("granularity", [16, 48, "expert", "token-tiles"])
+@pytest.mark.parametrize("granularity", [16, 48, "expert", "token-tiles", "combine-parts"])
 @pytest.mark.parametrize("case", [
     # name, R, Ts, config changes; each line says what it stresses
     ("T=1: a chunk of one row, dispatch task of one token", 2, [1, 1], {}),
@@ -200,6 +200,11 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
         granularity = "token"
         tuning = stages.Tuning(dispatch_programs=3, dispatch_tile=2, combine_tile=4,
                                combine_chunk=64)
+    elif granularity == "combine-parts":
+        # combine tasks of 2 tokens in 3 column parts of ceil(H / 3) columns (the last
+        # shorter), each summed 32 columns at a time: the parts cover every column once
+        granularity = "token"
+        tuning = stages.Tuning(combine_tile=2, combine_parts=3, combine_chunk=32)
     cfg = small_config(**changes)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
@@ -512,8 +517,8 @@ def test_l1_groups_where_an_m_block_has_many_column_blocks():
 
 
 def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
-                      routing=None) -> SymmBuffer:
-    """One staged call with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks, or
+                      routing=None, impl: str = "staged") -> SymmBuffer:
+    """One call (``impl``) with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks, or
     ``routing`` as ``make_case`` takes it) against the reference, buffer poisoned first.
     Returns the buffer (its counters as the call left them)."""
     R = len(Ts)
@@ -521,7 +526,7 @@ def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1, routing=routing)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning, impl=impl)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
     return buf
 
@@ -582,6 +587,26 @@ def test_decode_pieces_of_a_full_block(device, gen):
     check_tuned_layer(small_config(block_m=64, max_tokens_per_rank=64, num_experts=2),
                       [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64),
                       gen, device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("cfg_changes, Ts, tuning", [
+    # block_m 32, ~30 rows per expert: blocks of <= 16 rows in one 16-row piece, fuller ones
+    # in one 32-row piece; descriptor loads; each L2 block releases its rows' combine flags
+    # after its piece (the fused combine waits on them: a missing release stalls the call)
+    ({"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4}, [37, 23],
+     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, fused_per_sm=2)),
+    # decode proper: T=1 and T=2 (1-4 valid rows in one 32-row piece), pointer loads
+    ({"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4}, [1, 2],
+     stages.Tuning(decode_rows=32, use_tma=False)),
+    # block_m 64, two experts, top-2: ~57 rows per expert, two 32-row pieces per m-block (the
+    # release waits for the second); T=3 on one rank, 8-token dispatch tasks
+    ({"block_m": 64, "max_tokens_per_rank": 64, "num_experts": 2}, [61, 3],
+     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, dispatch_programs=8)),
+], ids=["pieces-16-32-tma", "decode-T1-pointers", "two-wide-pieces"])
+def test_fused_launch_in_decode_pieces(device, gen, cfg_changes, Ts, tuning):
+    # the fused launch's GEMM blocks in decode pieces (Tuning.decode_rows, as the staged ones)
+    check_tuned_layer(small_config(**cfg_changes), Ts, tuning, gen, device, impl="fused")
 
 
 # Tail pieces (Tuning.l1_tail_rows / l2_tail_rows): block_m 32, two ranks of two experts,
@@ -698,9 +723,10 @@ def test_tail_rows_rule(tokens, top_k, experts, block_m, dtype, split, want):
                                 block_m=block_m, dtype=dtype, l2_split_m=split) == want
 
 
-def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
+def test_for_call_turns_decode_pieces_on_for_decode_calls():
     # with the GPU's SM count in place (a CPU buffer otherwise keeps the interpreter's tiles):
-    # a decode call gets pieces and their launch shapes, a large one and the fused path don't
+    # a decode call gets pieces and their launch shapes (the fused launch too, two programs
+    # per SM), a large one doesn't
     from dataclasses import replace as dc_replace
     cfg = MoEConfig.from_shape("dsv3", max_tokens_per_rank=256)
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
@@ -713,7 +739,21 @@ def test_for_call_turns_decode_pieces_on_for_the_staged_path_only():
     assert stages.Tuning.hopper(128, "fp8").decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
-    assert stages.fused_tuning(buf, 1).decode_rows == 0
+    f = stages.fused_tuning(buf, 1)
+    assert (f.decode_rows, f.l1_block_n, f.l1_warps, f.fused_per_sm) == (16, 64, 4, 2)
+    f = stages.fused_tuning(buf, 2048)
+    assert (f.decode_rows, f.fused_per_sm) == (0, 1)
+    # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM: one per SM
+    mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
+                     device="cpu")
+    mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
+    f = stages.fused_tuning(mix, 8)
+    assert (f.decode_rows, f.fused_per_sm) == (16, 1)
+    mix.destroy()
+    # combine tasks split into column parts until they cover the SMs: 128 tokens in tasks of
+    # 4 -> 32 tasks x 8 parts of 896 columns; 1 token -> 16 parts of 448 (7168 = 7 * 2**10);
+    # 4096 tokens: 1024 tasks, one part
+    assert [stages.fused_tuning(buf, T).combine_parts for T in (128, 1, 4096)] == [8, 16, 1]
     # larger staged calls: tail pieces (bf16: L1 only, up to 64 rows per expert); not for the
     # fused launch, which has no pieces
     t = stages.Tuning.for_call(buf, 512)
@@ -830,8 +870,8 @@ def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_
             want.append((0, t.rank, t.source, t.token, -1))
         elif t.phase in (1, 2):
             want.append((int(t.phase), t.rank, t.expert, t.m_block, t.n_block))
-        else:
-            want.append((3, t.rank, t.token, -1, -1))
+        else:   # (first token, column part): one part of all columns here
+            want.append((3, t.rank, t.token, 0, -1))
     got = [tuple(r) for r in trace[:len(want), :5].cpu().tolist()]
     assert got == want
     assert int((trace[len(want):, 0] != -9).sum()) == 0   # no ticket past the last

@@ -5,8 +5,8 @@ Legend:
     combine_flag [T_MAX, K] int32  set to 1 by the L2 block that completes (t, k)'s row
     y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
 
-One ticket per token (the fused launch: per CT tokens); the hidden dimension is walked in
-BH-wide chunks so a program never holds more than CT x BH values. Picks with id -1 (or outside
+One ticket per token (the fused launch: per CT tokens and column part); the hidden dimension
+is walked in BH-wide chunks so a program never holds more than CT x BH values. Picks with id -1 (or outside
 [0, E)) are skipped.
 """
 from __future__ import annotations
@@ -20,11 +20,13 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
                    epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
                    K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
                    FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr,
-                   WAIT_FLAGS: tl.constexpr = True):
+                   WAIT_FLAGS: tl.constexpr = True, h_lo=0, h_hi=-1):
     """One combine task: tokens [t0, t0 + n), TT at a time: wait for their valid picks'
     flags (WAIT_FLAGS; without, the caller has already waited for every rank's L2), then
-    y[t, :] = fp32 sum over k of combine_y[t, k, :] (y row t at y_ptr + t * y_stride).
-    Returns False if a wait gave up."""
+    y[t, h] = fp32 sum over k of combine_y[t, k, h] (y row t at y_ptr + t * y_stride) for
+    columns h in [h_lo, h_hi) (default: all H). Returns False if a wait gave up."""
+    if h_hi < 0:
+        h_hi = H
     k = tl.arange(0, K_PAD)
     km = k < K
     flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
@@ -45,9 +47,9 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
                                    timeout_ns, 4, rank, t0 * K, epoch, SCOPE="sys",
                                    USE_TIMER=USE_TIMER)
         if ok:
-            for h0 in range(0, H, BH):
+            for h0 in range(h_lo, h_hi, BH):
                 h = h0 + tl.arange(0, BH)
-                hm = h < H
+                hm = h < h_hi
                 acc = tl.zeros([TT, BH], tl.float32)
                 for kk in tl.static_range(K):
                     v_k = tl.sum(tl.where(k[None, :] == kk, valid.to(tl.int32), 0), axis=1) > 0

@@ -6,7 +6,7 @@ Programs take tickets from an atomic counter, in the dependency order of
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
         GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks
-    every combine task (local rank, CT tokens from token j * CT)
+    every combine task (local rank, CT tokens from token j * CT, column part p of CP)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
 L2 via l1_done, L2 -> combine via the combine flags, possibly of another rank's launch, whose L2
@@ -26,7 +26,7 @@ Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, 
 blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
 (a, b, c) = (source, first token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
-(first token, -1, -1) for combine.
+(first token, column part, -1) for combine.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from triton.language.extra.cuda import smid
 from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import (expert_weights, l1_block, l1_descriptors, l1_fp8_pool_block, l1_tile_of,
-                   l2_block, l2_descriptors, l2_fp8_pool_block)
+from .gemm import (expert_weights, l1_either_block, l1_tile_of, l2_either_block,
+                   pool_piece_descriptors)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -46,10 +46,10 @@ PHASE_COMBINE = tl.constexpr(3)
 
 
 @triton.jit
-def _sections(table, rank0, NLOC, par64, NB12, DT, CT, off_src_tokens, off_block_start,
+def _sections(table, rank0, NLOC, par64, NB12, DT, CT, CP, off_src_tokens, off_block_start,
               off_num_tokens, R, E_LOC, NLOC_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Per local rank: dispatch tasks (DT source tokens each), GEMM blocks and combine
-    tasks (CT tokens each) of this call."""
+    tasks (CT tokens and one of CP column parts each) of this call."""
     lv = tl.arange(0, NLOC_PAD)
     lm = lv < NLOC
     sv = tl.arange(0, R_PAD)
@@ -62,7 +62,7 @@ def _sections(table, rank0, NLOC, par64, NB12, DT, CT, off_src_tokens, off_block
                 other=0) * NB12
     c = tl.load(peer_ptrs(table, ranks, off_num_tokens + par64 * 4, lm, tl.int32), mask=lm,
                 other=0)
-    return d, g, (c + CT - 1) // CT
+    return d, g, (c + CT - 1) // CT * CP
 
 
 @triton.jit
@@ -80,6 +80,31 @@ def _locate(t, counts):
 
 
 @triton.jit
+def _descriptors(table, rank, off_a, w, P, cols, A_BYTES, w_rows, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
+                 DM: tl.constexpr):
+    """(A, weights) tile descriptors of one GEMM: a rank's pool rows [P, cols] at ``off_a``
+    (bf16, or fp8 byte rows of A_BYTES) and its experts' weights [w_rows, cols]. In decode
+    pieces (DM > 0) A is a pair (DM-row and wide tiles); zeros where the blocks load by
+    pointer."""
+    a_d = 0
+    w_d = 0
+    if DM > 0 and not USE_TMA:
+        a_d = (0, 0)   # the decode blocks index a pair
+    if USE_TMA and DM > 0:
+        a_d, w_d = pool_piece_descriptors(table, rank, off_a,
+                                          peer_ptr(table, rank, off_a, tl.bfloat16), P, cols,
+                                          A_BYTES, w, w_rows, BM, BN, BK, DM, 0, FP8)
+    elif USE_TMA:
+        tl.static_assert(not FP8, "the fused fp8 blocks load whole tiles by pointer")
+        a_d = tl.make_tensor_descriptor(peer_ptr(table, rank, off_a, tl.bfloat16),
+                                        shape=[P, cols], strides=[cols, 1], block_shape=[BM, BK])
+        w_d = tl.make_tensor_descriptor(w, shape=[w_rows, cols], strides=[cols, 1],
+                                        block_shape=[BN, BK])
+    return a_d, w_d
+
+
+@triton.jit
 def fused_kernel(
     table, rank0, NLOC,             # int64[R] buffers; this launch serves ranks rank0 .. +NLOC
     w13_table, w2_table,            # int64[NLOC] weight bases
@@ -94,6 +119,7 @@ def fused_kernel(
     T_MAX, H, I, E, R: tl.constexpr, E_LOC, P,   # R constexpr: L2 stores unrolled per rank
     ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
+    CP,                             # column parts per combine task of CT tokens
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
@@ -101,15 +127,18 @@ def fused_kernel(
     BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
-    FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1,
+    FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
-    within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest."""
+    within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
+    DM > 0: both GEMMs in decode pieces of DM rows (the weights as the MMA row operand,
+    ``gemm.l1_decode_block`` / ``l2_decode_block``; ``Tuning.decode_rows``), each L2 block
+    releasing its rows after its last piece."""
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
     NB2 = H // BN2
-    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, CT, off_src_tokens,
+    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, CT, CP, off_src_tokens,
                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
     D = tl.sum(d_v, axis=0)
     G = tl.sum(g_v, axis=0)
@@ -117,14 +146,13 @@ def fused_kernel(
     if stalled(diag_0):
         total = 0   # the layout step gave up: nothing of this call is valid
     counter = peer_ptr(table, rank0, off_tickets, tl.int32)
-    if ONE_RANK:
+    if ONE_RANK:   # one set of weights and descriptors for the whole launch
         w13_0, w13s_0 = expert_weights(w13_table, w13s_table, 0, FP8)
         w2_0, w2s_0 = expert_weights(w2_table, w2s_table, 0, FP8)
-        if USE_TMA and not FP8:   # one set of descriptors for the whole launch
-            a1, wd1 = l1_descriptors(peer_ptr(table, rank_0, off_pool_x, tl.bfloat16), w13_0, P,
-                                     H, I, E_LOC, BM, BN1, BK1)
-            a2, wd2 = l2_descriptors(peer_ptr(table, rank_0, off_pool_act, tl.bfloat16), w2_0,
-                                     P, H, I, E_LOC, BM, BN2, BK2)
+        a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, XB, E_LOC * 2 * I,
+                                   BM, BN1, BK1, USE_TMA, FP8, DM)
+        a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, I, AB, E_LOC * H, BM,
+                                   BN2, BK2, USE_TMA, FP8, DM)
     ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     ok = ticket >= 0
     while (ticket < total) & ok:
@@ -190,26 +218,18 @@ def fused_kernel(
                                        SCOPE="gpu", USE_TIMER=USE_TIMER)
                     c0 += 1
                 if ok:
-                    if FP8:
-                        l1_fp8_pool_block(mb, nb, meta, table, rank,
-                                          peer_ptr(table, rank, off_l1_done, tl.int32),
-                                          off_pool_x, off_pool_weight, off_pool_act, w13, w13_s,
-                                          H, I, XB, AB, BM, BN1, BK1, UPCAST)
+                    if ONE_RANK:
+                        a1, wd1 = a1_0, wd1_0
                     else:
-                        pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
-                        a_d = 0
-                        w_d = 0
-                        if USE_TMA:
-                            if ONE_RANK:
-                                a_d = a1
-                                w_d = wd1
-                            else:
-                                a_d, w_d = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN1,
-                                                          BK1)
-                        l1_block(mb, nb, meta, peer_ptr(table, rank, off_l1_done, tl.int32),
-                                 pool_x, peer_ptr(table, rank, off_pool_weight, tl.float32),
-                                 peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, a_d,
-                                 w_d, H, I, BM, BN1, BK1, UPCAST, USE_TMA)
+                        a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, XB,
+                                               E_LOC * 2 * I, BM, BN1, BK1, USE_TMA, FP8, DM)
+                    l1_either_block(mb, nb, meta, table, rank,
+                                    peer_ptr(table, rank, off_l1_done, tl.int32),
+                                    peer_ptr(table, rank, off_pool_x, tl.bfloat16),
+                                    peer_ptr(table, rank, off_pool_weight, tl.float32),
+                                    peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, w13_s,
+                                    a1, wd1, off_pool_x, off_pool_weight, off_pool_act, H, I, XB,
+                                    AB, BM, BN1, BK1, UPCAST, USE_TMA, FP8, DM)
                 phase = ticket * 0 + PHASE_L1
             else:
                 in_l2 = in_wave - n_mb * NB1
@@ -219,30 +239,19 @@ def fused_kernel(
                 ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
                                    USE_TIMER=USE_TIMER)
-                if ok:
-                    if FP8:
-                        l2_fp8_pool_block(mb, nb, NB2, meta, table, rank,
-                                          peer_ptr(table, rank, off_l2_done, tl.int32),
-                                          peer_ptr(table, rank, off_pool_src, tl.int32),
-                                          off_pool_act, off_combine_y, off_combine_flag, w2,
-                                          w2_s, H, I, AB, T_MAX, R, K, BM, BN2, BK2, UPCAST,
-                                          DONE_SCOPE)
+                if ok:   # each block releases its rows' combine flags (SIGNAL_ROWS)
+                    if ONE_RANK:
+                        a2, wd2 = a2_0, wd2_0
                     else:
-                        pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
-                        a_d = 0
-                        w_d = 0
-                        if USE_TMA:
-                            if ONE_RANK:
-                                a_d = a2
-                                w_d = wd2
-                            else:
-                                a_d, w_d = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BM, BN2,
-                                                          BK2)
-                        l2_block(mb, nb, NB2, meta, table,
-                                 peer_ptr(table, rank, off_l2_done, tl.int32), pool_act,
-                                 peer_ptr(table, rank, off_pool_src, tl.int32), w2, a_d, w_d,
-                                 off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN2,
-                                 BK2, UPCAST, USE_TMA, DONE_SCOPE)
+                        a2, wd2 = _descriptors(table, rank, off_pool_act, w2, P, I, AB,
+                                               E_LOC * H, BM, BN2, BK2, USE_TMA, FP8, DM)
+                    l2_either_block(mb, nb, NB2, meta, table, rank,
+                                    peer_ptr(table, rank, off_l2_done, tl.int32),
+                                    peer_ptr(table, rank, off_pool_act, tl.bfloat16),
+                                    peer_ptr(table, rank, off_pool_src, tl.int32), w2, w2_s, a2,
+                                    wd2, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
+                                    T_MAX, R, K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, True,
+                                    1, FP8, 0, 1, DM)
                 phase = ticket * 0 + PHASE_L2
             a = meta >> 9
             b = mb
@@ -251,15 +260,18 @@ def fused_kernel(
             lr, j = _locate(ticket - D - G, c_v)
             rank = rank0 + lr
             diag = peer_ptr(table, rank, off_diag, tl.int32)
-            t0 = j * CT
+            t0 = (j // CP) * CT
+            part = j % CP
+            HP = (H + CP - 1) // CP
             n_tok = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
             ok = combine_tokens(table, rank, t0, tl.minimum(CT, n_tok - t0), par64,
                                 y_ptr + lr.to(tl.int64) * y_rank_stride, y_stride, diag,
                                 max_spins, timeout_ns, epoch, T_MAX, H, E, off_topk_idx,
                                 off_combine_y, off_combine_flag, K, K_PAD, BHC, CT, UPCAST,
-                                USE_TIMER)
+                                USE_TIMER, True, part * HP, tl.minimum(part * HP + HP, H))
             phase = ticket * 0 + PHASE_COMBINE
             a = t0
+            b = part
         if TRACE:
             row = trace_ptr + ticket.to(tl.int64) * 8
             tl.store(row + 0, phase.to(tl.int64))

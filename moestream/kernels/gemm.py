@@ -295,7 +295,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; without SIGNAL_ROWS); with TAIL, row
+    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; SIGNAL_ROWS after the last); with TAIL, row
     piece ``sub`` as one DM-row decode piece when it holds at most DM valid rows, else as
     usual (nothing when it holds none).
     W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
@@ -328,8 +328,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
             l2_epilogue(acc_t, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                         False, EPI_SPLIT, sub * BMP // DM, BM // DM)
-    elif DM > 0:   # pieces as l2_decode_block
-        tl.static_assert(not SIGNAL_ROWS, "decode pieces need the caller to signal")
+    elif DM > 0:   # pieces as l2_decode_block (SIGNAL_ROWS: signalled after the last)
         WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
         vm = meta & 511
         if vm <= DM:
@@ -345,6 +344,9 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                 l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                             off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
                             False, EPI_SPLIT, r0 // WIDE, BM // WIDE)
+        if SIGNAL_ROWS:
+            signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K,
+                              BM, DONE_SCOPE)
     else:
         acc = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM, BN,
                          BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
@@ -475,12 +477,14 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
                     EPI_SPLIT: tl.constexpr, TAIL: tl.constexpr = False, sub=0,
-                    SPLIT_M: tl.constexpr = 1):
+                    SPLIT_M: tl.constexpr = 1, SIGNAL_ROWS: tl.constexpr = False):
     """``l2_block`` for decode (pieces as ``l1_decode_block``): [BN, rows] = w2 tile @ rows^T,
-    transposed into the combine slots (the caller signals: per program, ``l2_kernel``'s
-    RANK_SIGNAL). TAIL (tail pieces): row piece ``sub`` of BM / SPLIT_M rows is one DM-row
-    decode piece when it holds at most DM valid rows, else the usual tile (``a_desc[1]`` of
-    BM / SPLIT_M rows); a piece without valid rows computes nothing."""
+    transposed into the combine slots. The caller signals (per program, ``l2_kernel``'s
+    RANK_SIGNAL), or with SIGNAL_ROWS the block does after its last piece, as ``l2_block``
+    (the fused launch). TAIL (tail pieces): row piece ``sub`` of BM / SPLIT_M rows is one
+    DM-row decode piece when it holds at most DM valid rows, else the usual tile
+    (``a_desc[1]`` of BM / SPLIT_M rows); a piece without valid rows computes nothing."""
+    tl.static_assert(not (TAIL and SIGNAL_ROWS), "tail pieces: the caller signals")
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
     BMP: tl.constexpr = BM // SPLIT_M
     vm = meta & 511
@@ -512,6 +516,9 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
             l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                         EPI_SPLIT, r0 // WIDE, BM // WIDE)
+    if SIGNAL_ROWS:
+        signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K, BM,
+                          DONE_SCOPE)
 
 
 @triton.jit
@@ -601,16 +608,37 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
     else:
         store_slot_rows(acc, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
     if SIGNAL_ROWS:
-        tl.debug_barrier()  # every thread's rows are stored before the count is released
-        # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU,
-        # the last one releases to the peers at system scope, and release is cumulative);
-        # "sys" is the conservative form.
-        done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
-        if done == NB - 1:
-            # last column block of this m-block: every block's rows are visible (acquired
-            # above), so one release per row tells the token's rank that its row is complete
-            flags = peer_ptrs(table, src, off_combine_flag + tk.to(tl.int64) * 4, rv, tl.int32)
-            tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
+        release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag, DONE_SCOPE)
+
+
+@triton.jit
+def release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag,
+                 DONE_SCOPE: tl.constexpr):
+    """Counts one finished column block of m-block ``mb`` in ``l2_done``; the block that
+    completes it (NB column blocks) releases the combine flags of its rows (``rv``: valid;
+    ``src`` / ``tk``: each row's source rank and token * K + k there)."""
+    tl.debug_barrier()  # every thread's rows are stored before the count is released
+    # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU,
+    # the last one releases to the peers at system scope, and release is cumulative);
+    # "sys" is the conservative form.
+    done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
+    if done == NB - 1:
+        # last column block of this m-block: every block's rows are visible (acquired
+        # above), so one release per row tells the token's rank that its row is complete
+        flags = peer_ptrs(table, src, off_combine_flag + tk.to(tl.int64) * 4, rv, tl.int32)
+        tl.atomic_xchg(flags, 1, mask=rv, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX,
+                      K: tl.constexpr, BM: tl.constexpr, DONE_SCOPE: tl.constexpr):
+    """``release_rows`` for a whole m-block of ``vm`` valid rows, after an L2 block that
+    stored them in pieces (decode pieces in the fused launch, which signals per row)."""
+    rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
+    rv = tl.arange(0, BM) < vm
+    code = tl.load(pool_src + rows, mask=rv, other=0)
+    release_rows(mb, NB, code // (T_MAX * K), code % (T_MAX * K), rv, table, l2_done,
+                 off_combine_flag, DONE_SCOPE)
 
 
 @triton.jit
@@ -632,7 +660,8 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
     elif DM > 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
-                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, TAIL, sub, SPLIT_M)
+                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, TAIL, sub, SPLIT_M,
+                        SIGNAL_ROWS)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
