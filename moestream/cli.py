@@ -328,14 +328,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
     t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
                     f"granularity {args.granularity}")
     for c in ["rank", "layer µs"] + [f"{p} µs (tasks)" for p in PHASES] + [
-            "comm hidden", "L1 during dispatch", "L2 during L1"]:
+            "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1"]:
         t.add_column(c, justify="right")
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     for s in summary:
         ph = [f"{s['phases'][p]['start_us'] or 0:.0f}-{s['phases'][p]['end_us'] or 0:.0f} "
               f"({s['phases'][p]['tasks']})" for p in PHASES]
         t.add_row(str(s["rank"]), f"{s['layer_us']:.0f}", *ph, pct(s["comm_hidden"]),
-                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]))
+                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]), pct(s["l2_waiting"]))
     con.print(t)
     plot_timeline(rows, args.out, title=f"{args.shape}, {args.tokens} tokens/rank, "
                                         f"{torch.cuda.device_count()} GPUs, {args.granularity}")

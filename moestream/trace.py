@@ -167,6 +167,9 @@ def summarize(rows: np.ndarray) -> list[dict]:
     comm_hidden   share of the dispatch+combine busy time during which a GEMM task ran
     l1_during_dispatch   share of the L1 busy time before the last dispatch task ended
     l2_during_l1  share of the L2 busy time during which an L1 task ran (wave overlap)
+    l2_waiting    share of the L2 tasks' time (sum of durations) spent before the last L1
+                  task of their m-block ended: time an L2 program held its ticket waiting
+                  for ``l1_done`` (L2 tickets claimed while their wave's L1 still runs)
     timed         False when every timestamp is 0 (the interpreter has no clock)
     """
     out = []
@@ -195,8 +198,21 @@ def summarize(rows: np.ndarray) -> list[dict]:
             comm_hidden=ratio(overlap_length(comm, gemm), _length(comm)),
             l1_during_dispatch=ratio(before, _length(l1)),
             l2_during_l1=ratio(overlap_length(unions["L2"], l1), _length(unions["L2"])),
+            l2_waiting=ratio(_l2_waiting(r, start, end), phases["L2"]["sm_us"]),
             timed=bool(end.max() > 0)))
     return out
+
+
+def _l2_waiting(r: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
+    """µs the L2 rows of one rank's trace ``r`` spent before the last L1 row of their m-block
+    (column B) ended."""
+    l1 = r[:, PHASE] == 1
+    last = {}
+    for mb, e in zip(r[l1, B].tolist(), end[l1].tolist()):
+        last[mb] = max(last.get(mb, e), e)
+    l2 = np.flatnonzero(r[:, PHASE] == 2)
+    return float(sum(min(max(last.get(int(r[i, B]), start[i]) - start[i], 0.0),
+                         end[i] - start[i]) for i in l2))
 
 
 def plot_timeline(rows: np.ndarray, path: str, *, title: str = "fused kernel timeline") -> None:

@@ -14,8 +14,8 @@ from moestream.trace import (collect_virtual, intervals_union, overlap_length, p
 from conftest import KERNEL_DEVICES
 
 
-def _row(phase, rank, start, end, sm=0):
-    return [phase, rank, -1, -1, -1, sm, start, end]
+def _row(phase, rank, start, end, sm=0, m_block=-1):
+    return [phase, rank, -1, m_block, -1, sm, start, end]
 
 
 def test_interval_algebra():
@@ -45,6 +45,23 @@ def test_summary_figures_on_known_rows():
     assert s0["l2_during_l1"] == pytest.approx(3 / 8)
     assert s1["layer_us"] == 10 and s1["comm_hidden"] == 0 and s1["l2_during_l1"] is None
     assert s1["phases"]["combine"]["tasks"] == 0
+    # L2 12-20 of the m-block whose L1 ran 5-15: 3 of its 8 us before its input was done
+    assert s0["l2_waiting"] == pytest.approx(3 / 8) and s1["l2_waiting"] is None
+
+
+def test_l2_waiting_matches_m_blocks():
+    # m-block 0: L1 blocks end at 10 and 14; its L2 block starts at 12 (2 us waiting) and one
+    # starting at 20 does not wait. m-block 1: L1 ends at 6, its L2 runs 4-8 (2 us, capped
+    # by nothing) and one at 30-31 of an m-block without L1 rows counts 0
+    us = 1000
+    rows = np.array([
+        _row(1, 0, 0, 10 * us, m_block=0), _row(1, 0, 2 * us, 14 * us, m_block=0),
+        _row(1, 0, 0, 6 * us, m_block=1),
+        _row(2, 0, 12 * us, 22 * us, m_block=0), _row(2, 0, 20 * us, 25 * us, m_block=0),
+        _row(2, 0, 4 * us, 8 * us, m_block=1), _row(2, 0, 30 * us, 31 * us, m_block=7),
+    ], dtype=np.int64)
+    (s,) = summarize(rows)
+    assert s["l2_waiting"] == pytest.approx((2 + 0 + 2 + 0) / (10 + 5 + 4 + 1))
 
 
 def test_timeline_png(tmp_path):
