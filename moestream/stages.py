@@ -358,8 +358,10 @@ class Tuning:
         # decode pieces: two programs per SM (~100 KB of shared memory each), unless the L2
         # has fewer blocks than that (mixtral: 4 experts x 32 column blocks of K = 14336,
         # which then share SMs while others idle; session 15: 473 vs 518 µs at 8 tokens)
-        l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
-        per_sm = 2 if self.decode_rows and l2_blocks >= 2 * sms else 1
+        per_sm = 1
+        if self.decode_rows:
+            l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
+            per_sm = 2 if l2_blocks >= 2 * sms else 1
         return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=4,
                        dispatch_eager=True, combine_tile=4, combine_chunk=512,
                        fused_per_sm=per_sm)

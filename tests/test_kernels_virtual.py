@@ -280,7 +280,7 @@ def test_bad_granularity_names_what_is_allowed(gen):
     with pytest.raises(ValueError, match="combine_warps must be at most 16"):
         stages.Tuning(combine_warps=32)
     for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                 "l1_group_m"):
+                 "l1_group_m", "fused_per_sm", "combine_parts"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
                 stages.Tuning(**{name: bad})

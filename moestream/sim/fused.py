@@ -106,7 +106,11 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
                  dispatch_programs_per_sm: float = 0.5) -> FusedTuning:
     """Task sizes of one call (Tuning.for_call(...).for_fused(...).with_granularity(...));
     token mode sizes dispatch tasks for ``round(num_sms * dispatch_programs_per_sm)``
-    programs (``Tuning.dispatch_programs``)."""
+    programs (``Tuning.dispatch_programs``). The model keeps the 128-row GEMM tiles, one
+    program per SM and one combine part its calibration was traced with: since session 15
+    the kernel runs decode-sized calls in decode pieces, two programs per SM where the L2
+    has the blocks, and splits small calls' combine tasks into column parts
+    (``stages.fused_default``), which this model does not."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
