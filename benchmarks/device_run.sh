@@ -3,6 +3,7 @@
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
 # steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu (default env,test,gemm,ep)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
+# TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -51,7 +52,7 @@ if has trace; then
   for spec in ${TRACES:-qwen3:8192:token dsv3:2048:token}; do
     IFS=: read -r shape tokens gran <<< "$spec"
     timeout ${TRACE_TIMEOUT:-120} python3 -m moestream.cli trace --shape $shape --tokens $tokens \
-      --granularity $gran --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
+      --granularity $gran ${TRACE_TUNING:+--tuning $TRACE_TUNING} --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
       --json "$OUT/trace_${shape}_${tokens}_${gran}.json" 2>&1 | tee -a "$OUT/trace.log" | tail -12
   done
 fi

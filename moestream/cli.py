@@ -316,17 +316,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from .trace import PHASES, plot_timeline, run_trace, summarize
 
+    from .bench_ep import parse_tuning
+
     con = _console()
+    try:
+        overrides = parse_tuning(args.tuning)
+    except ValueError as e:
+        con.print(f"[red]--tuning: {e}[/]")
+        return 2
     if not torch.cuda.is_available():
         con.print("[red]moestream trace needs CUDA GPUs[/] (the interpreter has no clock; the "
                   "tests cover the trace rows on the CPU)")
         return 2
     with con.status(f"tracing {args.shape}, {args.tokens} tokens/rank, {args.granularity}"):
         rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks or None,
-                         granularity=args.granularity, seed=args.seed)
+                         granularity=args.granularity, seed=args.seed, tuning=overrides)
     summary = summarize(rows)
     t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
-                    f"granularity {args.granularity}")
+                    f"granularity {args.granularity}"
+                    + (f", tuning {args.tuning}" if overrides else ""))
     for c in ["rank", "layer µs"] + [f"{p} µs (tasks)" for p in PHASES] + [
             "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1"]:
         t.add_column(c, justify="right")
@@ -343,7 +351,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(shape=args.shape, tokens_per_rank=args.tokens,
-                           granularity=args.granularity, summary=summary,
+                           granularity=args.granularity, tuning=overrides, summary=summary,
                            rows=rows.tolist()), f)
         con.print(f"rows and summary saved to {args.json}")
     return 0
@@ -436,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="trace.png", help="timeline PNG")
     tr.add_argument("--json", default=None, help="also save the rows and the summary")
+    tr.add_argument("--tuning", default="",
+                    help="stages.Tuning overrides on top of the fused launch's defaults, e.g. "
+                         "wave_blocks=264,fused_per_sm=1")
     tr.set_defaults(fn=cmd_trace)
 
     pr = sub.add_parser("probe", help="measure this machine's calibration for the simulator")

@@ -69,13 +69,16 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
     return _rows(trace)
 
 
-def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, seed: int
-                  ) -> np.ndarray:
-    """One process per GPU: a traced fused call of the real EP layer (spawned)."""
+def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, seed: int,
+                  overrides: dict | None = None) -> np.ndarray:
+    """One process per GPU: a traced fused call of the real EP layer (spawned), with
+    ``stages.Tuning`` ``overrides`` on top of the fused launch's defaults."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     from . import MoEConfig, SymmBuffer, mega_moe
-    from .stages import fused_tuning, run_fused
+    from .stages import fused_default, fused_tuning, run_fused
     from .testing import make_routing, make_tokens
     dev = torch.device("cuda", rank)
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens, 1))
@@ -88,10 +91,11 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
     x = make_tokens(tokens, cfg.hidden, generator=g, device=dev)
     idx, w = make_routing(tokens, cfg.num_experts, cfg.top_k, generator=g, device=dev)
     buf = SymmBuffer(cfg, group=dist.group.WORLD)
+    base = replace(fused_default(buf, tokens), **overrides) if overrides else None
     for _ in range(3):   # compile and warm up (untraced)
-        mega_moe(x, idx, w, w13, w2, buf, impl="fused", granularity=granularity)
+        mega_moe(x, idx, w, w13, w2, buf, impl="fused", granularity=granularity, tuning=base)
     torch.cuda.synchronize()
-    tuning = fused_tuning(buf, tokens, granularity=granularity)
+    tuning = fused_tuning(buf, tokens, tuning=base, granularity=granularity)
     trace = _trace_buffer(buf, tuning, dev)
     y = torch.empty(1, max(tokens, 1), cfg.hidden, dtype=torch.bfloat16, device=dev)
     for _ in range(2):   # the first traced call compiles the traced kernel (ranks may differ
@@ -110,17 +114,22 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
 
 def run_trace(*, shape: str, tokens: int, world: int | None = None,
               granularity: int | str = "token", seed: int = 0,
-              timeout_s: float = 600) -> np.ndarray:
+              timeout_s: float = 600, tuning: dict | None = None) -> np.ndarray:
     """A traced fused call of ``shape`` with ``tokens`` tokens per rank on ``world`` GPUs of
-    this machine (default all; one process each). Returns every rank's rows, stacked."""
+    this machine (default all; one process each). ``tuning``: ``stages.Tuning`` field
+    overrides on top of the fused launch's defaults (``stages.fused_default``; e.g.
+    ``{"wave_blocks": 264}``). Returns every rank's rows, stacked."""
     from .distributed import spawn
+    from .stages import Tuning
+    Tuning(**(tuning or {}))   # a bad field or value fails here, before any process starts
     if not torch.cuda.is_available():
         raise ValueError("moestream trace needs CUDA GPUs (the interpreter has no clock)")
     world = world or torch.cuda.device_count()
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     parts = spawn(_trace_worker, world_size=world, backend="nccl",
-                  args=(shape, tokens, granularity, seed), timeout_s=timeout_s)
+                  args=(shape, tokens, granularity, seed, dict(tuning or {})),
+                  timeout_s=timeout_s)
     return np.concatenate(parts, axis=0)
 
 

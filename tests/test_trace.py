@@ -100,3 +100,19 @@ def test_collected_rows_cover_every_ticket(device, granularity):
         assert all(s["timed"] and s["layer_us"] > 0 for s in summarize(rows))
     with pytest.raises(ValueError, match="one count per rank"):
         collect_virtual(cfg, ranks=2, tokens=[3], device=device)
+
+
+def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
+    # moestream trace --tuning: a bad field or value is named before any GPU process starts
+    # (run_trace checks it ahead of CUDA, the command ahead of everything else)
+    import torch
+
+    from moestream.cli import main
+    from moestream.trace import run_trace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="fused_per_sm must be an int >= 1"):
+        run_trace(shape="qwen3", tokens=8, tuning={"fused_per_sm": 0})
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        run_trace(shape="qwen3", tokens=8, tuning={"wave_blocks": 264})
+    assert main(["trace", "--tuning", "wave_blok=264", "--out", "unused.png"]) == 2
+    assert "unknown Tuning field 'wave_blok'" in capsys.readouterr().out.replace("\n", "")
