@@ -314,9 +314,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import torch
     from rich.table import Table
 
-    from .trace import PHASES, plot_timeline, run_trace, summarize
-
     from .bench_ep import parse_tuning
+    from .trace import PHASES, plot_timeline, run_trace, summarize
 
     con = _console()
     try:

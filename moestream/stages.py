@@ -24,7 +24,8 @@ from .kernels._common import INTERPRET, next_pow2, triton
 from .layout import DIAG_FIELDS
 
 __all__ = ["Tuning", "publish", "layout", "dispatch", "l1", "l2", "combine", "fused",
-           "run_staged", "run_fused", "fused_tuning", "fused_default", "max_tickets", "STAGES", "resident_per_sm",
+           "run_staged", "run_fused", "fused_tuning", "fused_default", "max_tickets", "STAGES",
+           "resident_per_sm",
            "pick_slots", "decode_rows_for", "tail_rows_for"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
@@ -924,9 +925,9 @@ def fused_default(buffer: SymmBuffer, tokens: int) -> Tuning:
     if dm and sms and cfg.dtype != "fp4w":
         t = t.decode(dm, cfg)
     t = t.for_fused(buffer)
-    # combine tasks of combine_tile tokens are few at small T (128 tokens: 32 programs sum
-    # every row, a 70-340 µs tail in session 15's traces): split the columns until the
-    # tasks cover the SMs, down to parts of 256 columns
+    # combine tasks of combine_tile tokens are few at small T (32 at 128 tokens): split the
+    # columns until the tasks cover the SMs, down to parts of 256 columns (session 15: 0-5 %
+    # faster at 1-128 tokens, most at 1)
     parts = 1
     tasks = cdiv(max(tokens, 1), t.combine_tile)
     while sms and tasks * parts < sms and cfg.hidden % (2 * parts) == 0 \

@@ -6,8 +6,8 @@ Legend:
     y [T, H] bf16                  output (rank lr of the launch at y + lr * y_rank_stride)
 
 One ticket per token (the fused launch: per CT tokens and column part); the hidden dimension
-is walked in BH-wide chunks so a program never holds more than CT x BH values. Picks with id -1 (or outside
-[0, E)) are skipped.
+is walked in BH-wide chunks so a program never holds more than CT x BH values. Picks with id
+-1 (or outside [0, E)) are skipped.
 """
 from __future__ import annotations
 

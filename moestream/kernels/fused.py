@@ -35,8 +35,8 @@ from triton.language.extra.cuda import smid
 from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import (expert_weights, l1_either_block, l1_tile_of, l2_either_block,
-                   pool_piece_descriptors)
+from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
+                   l2_either_block, pool_piece_descriptors)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -80,27 +80,31 @@ def _locate(t, counts):
 
 
 @triton.jit
-def _descriptors(table, rank, off_a, w, P, cols, A_BYTES, w_rows, BM: tl.constexpr,
+def _descriptors(table, rank, off_a, w, P, H, I, E_LOC, A_BYTES, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
-                 DM: tl.constexpr):
-    """(A, weights) tile descriptors of one GEMM: a rank's pool rows [P, cols] at ``off_a``
-    (bf16, or fp8 byte rows of A_BYTES) and its experts' weights [w_rows, cols]. In decode
-    pieces (DM > 0) A is a pair (DM-row and wide tiles); zeros where the blocks load by
-    pointer."""
+                 DM: tl.constexpr, L2: tl.constexpr):
+    """(A, weights) tile descriptors of a rank's L1 (pool_x at ``off_a``, w13) or L2 (L2:
+    pool_act, w2) as the staged kernels build them: in decode pieces (DM > 0) A is a pair
+    (DM-row and wide tiles, bf16 or fp8 byte rows of A_BYTES); zeros where the blocks load
+    by pointer."""
+    a = peer_ptr(table, rank, off_a, tl.bfloat16)
     a_d = 0
     w_d = 0
     if DM > 0 and not USE_TMA:
         a_d = (0, 0)   # the decode blocks index a pair
     if USE_TMA and DM > 0:
-        a_d, w_d = pool_piece_descriptors(table, rank, off_a,
-                                          peer_ptr(table, rank, off_a, tl.bfloat16), P, cols,
-                                          A_BYTES, w, w_rows, BM, BN, BK, DM, 0, FP8)
+        if L2:
+            a_d, w_d = pool_piece_descriptors(table, rank, off_a, a, P, I, A_BYTES, w,
+                                              E_LOC * H, BM, BN, BK, DM, 0, FP8)
+        else:
+            a_d, w_d = pool_piece_descriptors(table, rank, off_a, a, P, H, A_BYTES, w,
+                                              E_LOC * 2 * I, BM, BN, BK, DM, 0, FP8)
     elif USE_TMA:
         tl.static_assert(not FP8, "the fused fp8 blocks load whole tiles by pointer")
-        a_d = tl.make_tensor_descriptor(peer_ptr(table, rank, off_a, tl.bfloat16),
-                                        shape=[P, cols], strides=[cols, 1], block_shape=[BM, BK])
-        w_d = tl.make_tensor_descriptor(w, shape=[w_rows, cols], strides=[cols, 1],
-                                        block_shape=[BN, BK])
+        if L2:
+            a_d, w_d = l2_descriptors(a, w, P, H, I, E_LOC, BM, BN, BK)
+        else:
+            a_d, w_d = l1_descriptors(a, w, P, H, I, E_LOC, BM, BN, BK)
     return a_d, w_d
 
 
@@ -149,10 +153,10 @@ def fused_kernel(
     if ONE_RANK:   # one set of weights and descriptors for the whole launch
         w13_0, w13s_0 = expert_weights(w13_table, w13s_table, 0, FP8)
         w2_0, w2s_0 = expert_weights(w2_table, w2s_table, 0, FP8)
-        a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, XB, E_LOC * 2 * I,
-                                   BM, BN1, BK1, USE_TMA, FP8, DM)
-        a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, I, AB, E_LOC * H, BM,
-                                   BN2, BK2, USE_TMA, FP8, DM)
+        a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, I, E_LOC, XB, BM,
+                                   BN1, BK1, USE_TMA, FP8, DM, False)
+        a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, H, I, E_LOC, AB, BM,
+                                   BN2, BK2, USE_TMA, FP8, DM, True)
     ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     ok = ticket >= 0
     while (ticket < total) & ok:
@@ -221,8 +225,8 @@ def fused_kernel(
                     if ONE_RANK:
                         a1, wd1 = a1_0, wd1_0
                     else:
-                        a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, XB,
-                                               E_LOC * 2 * I, BM, BN1, BK1, USE_TMA, FP8, DM)
+                        a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, I, E_LOC,
+                                               XB, BM, BN1, BK1, USE_TMA, FP8, DM, False)
                     l1_either_block(mb, nb, meta, table, rank,
                                     peer_ptr(table, rank, off_l1_done, tl.int32),
                                     peer_ptr(table, rank, off_pool_x, tl.bfloat16),
@@ -243,8 +247,8 @@ def fused_kernel(
                     if ONE_RANK:
                         a2, wd2 = a2_0, wd2_0
                     else:
-                        a2, wd2 = _descriptors(table, rank, off_pool_act, w2, P, I, AB,
-                                               E_LOC * H, BM, BN2, BK2, USE_TMA, FP8, DM)
+                        a2, wd2 = _descriptors(table, rank, off_pool_act, w2, P, H, I, E_LOC,
+                                               AB, BM, BN2, BK2, USE_TMA, FP8, DM, True)
                     l2_either_block(mb, nb, NB2, meta, table, rank,
                                     peer_ptr(table, rank, off_l2_done, tl.int32),
                                     peer_ptr(table, rank, off_pool_act, tl.bfloat16),

@@ -295,9 +295,9 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
-    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; SIGNAL_ROWS after the last); with TAIL, row
-    piece ``sub`` as one DM-row decode piece when it holds at most DM valid rows, else as
-    usual (nothing when it holds none).
+    DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; SIGNAL_ROWS after the last); with
+    TAIL, row piece ``sub`` as one DM-row decode piece when it holds at most DM valid rows,
+    else as usual (nothing when it holds none).
     W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
     SIGNAL_ROWS when W4 < BM / SPLIT_M)."""
     act_q = aligned_peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
