@@ -1,60 +1,52 @@
 """Sweep launch tunings of the fused kernel on the GPUs of this machine (EP = all of them).
 
-Each variant is a set of ``moestream.stages.Tuning`` fields applied on top of the layer's
-defaults for the call (``Tuning.for_call``); every point is checked against the default
-variant's output (bf16 tolerance) before it is timed as CUDA-graph replays (BENCHMARKS.md
-protocol: warm-up, median of >= 20 calls, inputs rotated over 4 sets, slowest rank).
+Each variant is a set of ``moestream.stages.Tuning`` overrides applied on top of the fused
+launch's default for the call (``stages.fused_default``), written as ``NAME:field=value,...``
+(the ``--tuning`` syntax of ``moestream bench``). Two names are built in: ``default`` (no
+overrides) and ``staged`` (the staged path with its own default, for reference in the same
+process). Every point is checked against the first variant's output (bf16 tolerance) before
+it is timed as CUDA-graph replays (BENCHMARKS.md protocol: warm-up, median of >= 20 calls,
+inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: many variants
+cost one start-up.
 
-    python benchmarks/fused_sweep.py --shapes qwen3,dsv3 --tokens 128,8192 \
-        --variants base,dt4,l2n128 --out benchmarks/results/fused_sweep.jsonl
+    python benchmarks/fused_sweep.py --shapes qwen3,dsv3 --tokens 1,128 \
+        --variants default staged wave264:wave_blocks=264 --out fused_sweep.jsonl
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+from dataclasses import replace
 
 import torch
 
-_DEFAULT = dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4, combine_tile=4,
-                combine_chunk=512)   # Tuning.for_fused on a 132-SM GPU
-VARIANTS = {
-    "default": _DEFAULT,
-    "eager": {**_DEFAULT, "dispatch_eager": True},
-    "eager-dp132": {**_DEFAULT, "dispatch_eager": True, "dispatch_programs": 132},
-    "l2n128-dp66-ct4": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4,
-                            combine_tile=4, combine_chunk=512),
-    "l2n128-dp33-ct4": dict(l2_block_n=128, dispatch_programs=33, dispatch_tile=4,
-                            combine_tile=4, combine_chunk=512),
-    "l2n256-dp66-ct4": dict(l2_block_n=256, dispatch_programs=66, dispatch_tile=4,
-                            combine_tile=4, combine_chunk=512),
-    "l2n128-dp66-ct4-wave4": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4,
-                                  combine_tile=4, combine_chunk=512, wave_blocks=528),
-    "l2n256": dict(l2_block_n=256),
-    "l2n256-dp66": dict(l2_block_n=256, dispatch_programs=66, dispatch_tile=4),
-    "l2n128-dt4": dict(l2_block_n=128, dispatch_tokens=4, dispatch_tile=4),
-    "l2n128-dp132": dict(l2_block_n=128, dispatch_programs=132, dispatch_tile=4),
-    "l2n128-dp66": dict(l2_block_n=128, dispatch_programs=66, dispatch_tile=4),
-    "l2n128-dp33": dict(l2_block_n=128, dispatch_programs=33, dispatch_tile=4),
-    "l2n128-wave4": dict(l2_block_n=128, wave_blocks=528),
-    "base": {},
-    "dt4": dict(dispatch_tokens=4, dispatch_tile=4),
-    "dt8": dict(dispatch_tokens=8, dispatch_tile=4),
-    "l2n128": dict(l2_block_n=128),
-    "s3": dict(fused_stages=3),
-    "dt4-l2n128": dict(dispatch_tokens=4, dispatch_tile=4, l2_block_n=128),
-    "w4": dict(fused_warps=4, l1_block_n=64, l2_block_n=128),
-}
+BUILT_IN = ("default", "staged")
 
 
-def _worker(rank, world, shapes, tokens, variants, reps, seed):
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"wave264:wave_blocks=264"`` -> ``("wave264", {"wave_blocks": 264})``; the built-in
+    names take no overrides. ValueError for a malformed variant or an unknown field."""
+    from moestream.bench_ep import parse_tuning
+    name, colon, spec = text.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"variant {text!r} needs a name (NAME:field=value,...)")
+    if name in BUILT_IN:
+        if spec.strip():
+            raise ValueError(f"the built-in variant {name!r} takes no overrides")
+        return name, {}
+    if not colon or not spec.strip():
+        raise ValueError(f"variant {text!r}: write NAME:field=value,... (built-in: {BUILT_IN})")
+    return name, parse_tuning(spec)
+
+
+def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
     import torch.distributed as dist
 
-    from moestream import MoEConfig, SymmBuffer, mega_moe
+    from moestream import MoEConfig, SymmBuffer, mega_moe, stages
     from moestream.bench import slowest, time_cuda
     from moestream.bench_ep import _capture, _inputs
-    from moestream.stages import Tuning
-    from moestream.testing import rel_error
+    from moestream.testing import TOLERANCE, rel_error
 
     dev = torch.device("cuda", rank)
     rows = []
@@ -70,27 +62,34 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed):
         for T in tokens:
             sets = _inputs(cfg, T, g, dev, skew=None, sets=4)
             ref = None
-            for name in variants:
-                tuning = dataclasses.replace(Tuning.for_call(buf, T), **VARIANTS[name])
+            for name, over in variants:
+                impl = "staged" if name == "staged" else "fused"
+                tuning = None if name == "staged" else replace(stages.fused_default(buf, T),
+                                                               **over)
                 graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf,
-                                                           impl="fused", tuning=tuning))
+                                                           impl=impl, tuning=tuning))
                 graphs[0][0].replay()
                 torch.cuda.synchronize()
                 buf.check()
                 y = graphs[0][1].clone()
                 err = 0.0 if ref is None else rel_error(y, ref)
                 ref = y if ref is None else ref
+                if not err <= TOLERANCE["bf16"]:
+                    raise RuntimeError(f"{shape} T={T} variant {name}: output differs from the "
+                                       f"first variant's by {err:.3g} (rel)")
                 dist.barrier()
                 st = slowest(time_cuda(lambda i: graphs[i][0].replay(), warmup=5, reps=reps,
                                        rotate=list(range(len(sets)))))
                 buf.check()
                 if rank == 0:
                     row = dict(shape=shape, ranks=world, tokens_per_rank=T, variant=name,
-                               tuning=VARIANTS[name], median_us=st["median_us"],
+                               impl=impl, tuning=over, median_us=st["median_us"],
                                p20_us=st["p20_us"], p80_us=st["p80_us"],
-                               rel_diff_vs_base=err)
+                               rel_diff_vs_first=err)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    with open(out, "a") as f:   # row by row: a run cut by a limit keeps them
+                        f.write(json.dumps(row) + "\n")
                 graphs = None
         buf.destroy()
         w13 = w2 = None
@@ -104,22 +103,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=_names, default=["qwen3", "dsv3"])
-    p.add_argument("--tokens", type=_ints, default=[128, 8192])
-    p.add_argument("--variants", type=_names, default=list(VARIANTS))
+    p.add_argument("--tokens", type=_ints, default=[1, 128])
+    p.add_argument("--variants", nargs="+", default=["default", "staged"],
+                   help="NAME:field=value,... (Tuning overrides) or a built-in: default, staged")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/fused_sweep.jsonl")
     a = p.parse_args()
-    unknown = [v for v in a.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    try:
+        variants = [parse_variant(v) for v in a.variants]
+    except ValueError as e:
+        raise SystemExit(f"--variants: {e}")
+    if len({n for n, _ in variants}) != len(variants):
+        raise SystemExit("--variants: names must differ")
     if not torch.cuda.is_available():
         raise SystemExit("the fused sweep needs CUDA GPUs")
-    rows = spawn(_worker, world_size=torch.cuda.device_count(), backend="nccl",
-                 args=(a.shapes, a.tokens, a.variants, a.reps, a.seed), timeout_s=3000)[0]
-    with open(a.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    spawn(_worker, world_size=torch.cuda.device_count(), backend="nccl",
+          args=(a.shapes, a.tokens, variants, a.reps, a.seed, a.out), timeout_s=3000)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ class Tuning:
         keep them on.
     done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
         kernels/gemm.py; measured faster) or "sys".
-    wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``).
+    wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``;
+        ``ONE_WAVE``: every expert of the call in one wave, as ``for_fused`` sets in decode
+        pieces).
     fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
     fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
         SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces where the L2 has
@@ -360,12 +362,20 @@ class Tuning:
         # has fewer blocks than that (mixtral: 4 experts x 32 column blocks of K = 14336,
         # which then share SMs while others idle; session 15: 473 vs 518 µs at 8 tokens)
         per_sm = 1
+        waves = self.wave_blocks
         if self.decode_rows:
             l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
             per_sm = 2 if l2_blocks >= 2 * sms else 1
+            # one wave: with a wave of one L1 block per SM, the programs past the first SMs'
+            # worth took the wave's L2 tickets at once and spun until its L1 ended (session
+            # 15: 67-69 % of the L2 blocks' time at qwen3 128 tokens). A decode call reuses
+            # nothing between its waves, and its combine tickets follow all GEMM tickets
+            # anyway (session 16: qwen3 128 tokens 252 -> 208 µs, dsv3 2890 -> 2641,
+            # mixtral 1 token 332 -> 266)
+            waves = ONE_WAVE
         return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=4,
                        dispatch_eager=True, combine_tile=4, combine_chunk=512,
-                       fused_per_sm=per_sm)
+                       fused_per_sm=per_sm, wave_blocks=waves)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
@@ -545,6 +555,10 @@ def _constants(buffer: SymmBuffer) -> _Constants:
                        hopper=bool(cuda and props.major >= 9))
         buffer._launch_constants = c
     return c
+
+
+# Tuning.wave_blocks that puts every expert of a call in one wave (an int32 in the kernels)
+ONE_WAVE = 1 << 30
 
 
 def wave_blocks(buffer: SymmBuffer) -> int:

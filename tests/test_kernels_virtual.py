@@ -340,6 +340,7 @@ def test_device_layout_follows_schedule(device, gen):
     (2, [24, 17], 7, 4),        # several waves per rank, 7 experts (prime-ish), some empty
     (1, [1], 5, 2),             # T=1: most experts receive nothing; empties ride along
     (2, [24, 24], 4, 10_000),   # one wave that never reaches wave_blocks closes at the end
+    (2, [24, 0], 5, stages.ONE_WAVE),   # the fused decode default; a rank with no tokens
 ])
 def test_device_waves_follow_schedule(device, gen, R, Ts, e_per_rank, wave_blocks):
     # the layout kernel's expert waves (fused launch only) are moestream.schedule's
@@ -741,8 +742,9 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     f = stages.fused_tuning(buf, 1)
     assert (f.decode_rows, f.l1_block_n, f.l1_warps, f.fused_per_sm) == (16, 64, 4, 2)
+    assert f.wave_blocks == stages.ONE_WAVE   # decode pieces: every expert in one wave
     f = stages.fused_tuning(buf, 2048)
-    assert (f.decode_rows, f.fused_per_sm) == (0, 1)
+    assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
     # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM: one per SM
     mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
                      device="cpu")
