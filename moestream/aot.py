@@ -247,8 +247,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = " fused decode"   # ... and stages.fused_default for the fused launch
-            stages.run_fused(*args, tuning=replace(tuning.decode(16, cfg).for_fused(buf, sms=132),
-                                                   prefetch_bytes=1 << 16))
+            stages.run_fused(*args, tuning=tuning.decode(16, cfg).for_fused(buf, sms=132))
             label[0] = ""
         # the fp8 layer (staged path): publish with quantization, byte-row dispatch, fp8 GEMMs
         label[0] = " fp8"
@@ -263,8 +262,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         label[0] = " fp8 decode"
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = " fp8 fused decode"
-        stages.run_fused(*args, tuning=replace(tuning8.decode(16, cfg8).for_fused(buf, sms=132),
-                                               prefetch_bytes=1 << 16))
+        stages.run_fused(*args, tuning=tuning8.decode(16, cfg8).for_fused(buf, sms=132))
         label[0] = " fp8 tail"
         stages.run_staged(*args, tuning=replace(tuning8, l1_tail_rows=32, l2_tail_rows=32))
         label[0] = " fp8 grouped"

@@ -115,10 +115,6 @@ class Tuning:
     fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
         SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces where the L2 has
         at least that many blocks).
-    prefetch_bytes: bytes of its weights each GEMM block of the fused launch in decode
-        pieces asks the L2 cache for before it waits for its inputs (split over its weight
-        rows, whole rows at most; 0: none; compiled sm_90 kernels only). ``fused_default``
-        sizes it from the L2 cache and the blocks expected to wait at once.
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -225,7 +221,6 @@ class Tuning:
     fused_warps: int | None = None
     fused_stages: int | None = None
     fused_per_sm: int = 1
-    prefetch_bytes: int = 0
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
@@ -385,9 +380,9 @@ class Tuning:
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
                      "l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                     "l1_group_m", "fused_per_sm", "combine_parts", "prefetch_bytes"):
+                     "l1_group_m", "fused_per_sm", "combine_parts"):
             v = getattr(self, name)
-            low = 0 if name in ("dispatch_programs", "prefetch_bytes") else 1
+            low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"Tuning.{name} must be an int >= {low}, got {v!r}")
         for name in ("dispatch_tile", "combine_tile", "copy_warps", "combine_warps",
@@ -541,7 +536,6 @@ class _Constants:
     row_words: int      # 16-bit words per token row that dispatch copies (bf16: H)
     sms: int
     hopper: bool
-    l2_cache_bytes: int = 0   # the GPU's L2 cache (0 without CUDA)
 
 
 def _constants(buffer: SymmBuffer) -> _Constants:
@@ -558,14 +552,10 @@ def _constants(buffer: SymmBuffer) -> _Constants:
                        reset_words=buffer.layout.reset_span[1] // 4,
                        row_words=cfg.token_bytes // 2,
                        sms=props.multi_processor_count if cuda else 0,
-                       hopper=bool(cuda and props.major >= 9),
-                       l2_cache_bytes=props.L2_cache_size if cuda else 0)
+                       hopper=bool(cuda and props.major >= 9))
         buffer._launch_constants = c
     return c
 
-
-# share of the L2 cache the fused decode blocks fill with their weights while they wait
-PREFETCH_L2_SHARE = 0.5
 
 # Tuning.wave_blocks that puts every expert of a call in one wave (an int32 in the kernels)
 ONE_WAVE = 1 << 30
@@ -884,22 +874,6 @@ def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     return buffer.local_ranks * per_rank
 
 
-def _prefetch_row_bytes(cfg, tuning: Tuning, dm: int, bn1: int, bn2: int,
-                        weights: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """(L1, L2) bytes per weight row that a fused GEMM block in decode pieces asks the L2 cache
-    for before it waits (``Tuning.prefetch_bytes`` over the block's 2 * bn1 / bn2 rows, whole
-    rows at most, multiples of 16); (0, 0) where off: no decode pieces, the interpreter (the
-    hint is inline PTX) or weights whose rows are not 16-byte aligned. ``weights``: tensors,
-    or (values, scales) pairs (fp8)."""
-    size = 1 if cfg.dtype == "fp8" else 2
-    row1, row2 = cfg.hidden * size, cfg.intermediate * size
-    if (not tuning.prefetch_bytes or not dm or INTERPRET or row1 % 16 or row2 % 16
-            or any((w[0] if isinstance(w, tuple) else w).data_ptr() % 16 for w in weights)):
-        return 0, 0
-    return (min(row1, tuning.prefetch_bytes // (2 * bn1)) // 16 * 16,
-            min(row2, tuning.prefetch_bytes // bn2) // 16 * 16)
-
-
 def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.Tensor],
           y: torch.Tensor, *, tuning: Tuning = Tuning(), trace: torch.Tensor | None = None
           ) -> None:
@@ -923,7 +897,6 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     nloc = buffer.local_ranks
     w13_tab, w13s_tab = _weight_tables(buffer, w13s)
     w2_tab, w2s_tab = _weight_tables(buffer, w2s)
-    prefetch = _prefetch_row_bytes(cfg, tuning, dm, bn1, bn2, [*w13s, *w2s])
     args = (
         buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
@@ -936,7 +909,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
         c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.dispatch_tokens,
-        tuning.chunk_blocks, tuning.combine_parts, *prefetch)
+        tuning.chunk_blocks, tuning.combine_parts)
     kw = dict(
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
@@ -945,7 +918,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
-        DM=dm, PREFETCH=any(prefetch), **_launch_kw(tuning.fused_warps or tuning.l1_warps,
+        DM=dm, **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs
     # never wait in a cycle however few are resident, kernels/fused.py; co-resident is faster)
@@ -966,15 +939,6 @@ def fused_default(buffer: SymmBuffer, tokens: int) -> Tuning:
     if dm and sms and cfg.dtype != "fp4w":
         t = t.decode(dm, cfg)
     t = t.for_fused(buffer)
-    if t.decode_rows:
-        # the blocks that wait at once (about tokens * top_k picks reach a rank) share half
-        # of the L2 cache for their weights' first bytes while dispatch / L1 run
-        e_loc = cfg.experts_per_rank(buffer.num_ranks)
-        touched = min(e_loc, max(1, tokens * cfg.top_k))
-        nb12 = cfg.intermediate // t.l1_tile(cfg)[0] + cfg.hidden // t.l2_tile(cfg)[0]
-        waiting = min(touched * nb12, sms * t.fused_per_sm)
-        share = int(PREFETCH_L2_SHARE * _constants(buffer).l2_cache_bytes)
-        t = replace(t, prefetch_bytes=share // waiting)
     # combine tasks of combine_tile tokens are few at small T (32 at 128 tokens): split the
     # columns until the tasks cover the SMs, down to parts of 256 columns (session 15: 0-5 %
     # faster at 1-128 tokens, most at 1)

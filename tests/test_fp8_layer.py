@@ -279,11 +279,9 @@ def test_fp8_decode_pieces_of_a_full_block(device, gen, impl):
 def test_fp8_fused_launch_in_decode_pieces(device, gen):
     # the fused fp8 launch in decode pieces: T=1 on one rank (one 16-row piece per block),
     # ~30 rows per expert on the other side (32-row pieces), pointer loads, 256-wide L1
-    # blocks (two scale groups per piece); on GPUs the blocks ask the L2 cache for their fp8
-    # weight rows first (prefetch_bytes, one byte per weight)
+    # blocks (two scale groups per piece)
     check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
-                          [1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256,
-                                                 prefetch_bytes=8192),
+                          [1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256),
                           gen, device, drop=0.05, impl="fused")
 
 

@@ -604,12 +604,7 @@ def test_decode_pieces_of_a_full_block(device, gen):
     # release waits for the second); T=3 on one rank, 8-token dispatch tasks
     ({"block_m": 64, "max_tokens_per_rank": 64, "num_experts": 2}, [61, 3],
      stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, dispatch_programs=8)),
-    # on GPUs each GEMM block first asks the L2 cache for its weight rows' first bytes
-    # (inline PTX, a hint: the interpreter leaves it out); one expert wave
-    ({"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4}, [29, 1],
-     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, prefetch_bytes=4096,
-                   wave_blocks=stages.ONE_WAVE)),
-], ids=["pieces-16-32-tma", "decode-T1-pointers", "two-wide-pieces", "prefetch-one-wave"])
+], ids=["pieces-16-32-tma", "decode-T1-pointers", "two-wide-pieces"])
 def test_fused_launch_in_decode_pieces(device, gen, cfg_changes, Ts, tuning):
     # the fused launch's GEMM blocks in decode pieces (Tuning.decode_rows, as the staged ones)
     check_tuned_layer(small_config(**cfg_changes), Ts, tuning, gen, device, impl="fused")
@@ -935,36 +930,3 @@ def test_eight_virtual_ranks(device, gen, impl):
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, impl=impl)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
-
-
-def test_prefetch_sizes(monkeypatch):
-    # the bytes per weight row a fused decode block asks the L2 cache for: the tuning's bytes
-    # over the block's rows, whole rows at most, multiples of 16; off without decode pieces
-    # or on rows that are not 16-byte aligned (the hint's rule), and always in the interpreter
-    from dataclasses import replace as dc_replace
-    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8)   # H 2048, I 768
-    w = [torch.empty(4, 8, 8, dtype=torch.bfloat16)]
-    t = stages.Tuning(prefetch_bytes=65536)
-    assert stages._prefetch_row_bytes(cfg, t, 16, 64, 128, w) == (0, 0)   # interpreter
-    monkeypatch.setattr(stages, "INTERPRET", False)
-    assert stages._prefetch_row_bytes(cfg, t, 16, 64, 128, w) == (512, 512)
-    big = dc_replace(t, prefetch_bytes=1 << 30)                          # whole rows
-    assert stages._prefetch_row_bytes(cfg, big, 16, 64, 128, w) == (4096, 1536)
-    odd = dc_replace(t, prefetch_bytes=65536 + 100 * 128)                # 612 -> 608 per row
-    assert stages._prefetch_row_bytes(cfg, odd, 16, 64, 128, w)[0] == 608
-    fp8 = cfg.with_(dtype="fp8")                                         # one byte a weight
-    assert stages._prefetch_row_bytes(fp8, big, 16, 64, 128, [(w[0], w[0])]) == (2048, 768)
-    assert stages._prefetch_row_bytes(cfg, t, 0, 64, 128, w) == (0, 0)   # no decode pieces
-    assert stages._prefetch_row_bytes(cfg, stages.Tuning(), 16, 64, 128, w) == (0, 0)
-    shifted = [torch.empty(64, dtype=torch.bfloat16)[1:]]                # 2 bytes off
-    assert stages._prefetch_row_bytes(cfg, t, 16, 64, 128, shifted) == (0, 0)
-    with pytest.raises(ValueError, match="prefetch_bytes must be an int >= 0"):
-        stages.Tuning(prefetch_bytes=-1)
-    # fused_default: half the L2 cache over the blocks expected to wait at once (132 SMs,
-    # 50 MB): 1 token reaches ~8 experts x (12 + 16) blocks = 224 < 264 programs
-    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-    buf._launch_constants = dc_replace(stages._constants(buf), sms=132, l2_cache_bytes=50 << 20)
-    assert stages.fused_default(buf, 1).prefetch_bytes == (25 << 20) // 224
-    assert stages.fused_default(buf, 128).prefetch_bytes == (25 << 20) // 264
-    assert stages.fused_default(buf, 2048).prefetch_bytes == 0          # no decode pieces
-    buf.destroy()

@@ -40,7 +40,7 @@ __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter"
            "peer_ptrs",
            "aligned_peer_ptr", "aligned_ptr_from",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
-           "PHASE_CODES", "next_pow2", "prefetch_rows"]
+           "PHASE_CODES", "next_pow2"]
 
 # diag "phase" codes written by a kernel that gave up waiting
 PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
@@ -50,20 +50,6 @@ PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-@triton.jit
-def prefetch_rows(base, rows, row_stride, nbytes, mask):
-    """Asks the L2 cache to fetch the first ``nbytes`` bytes of each of ``rows`` (int64
-    element rows of ``base``, ``row_stride`` elements apart; addresses 16-byte aligned,
-    ``nbytes`` a multiple of 16) where ``mask``: sm_90's ``cp.async.bulk.prefetch.L2``, a
-    hint with no result and no effect on values. Compiled kernels only (inline PTX)."""
-    ptrs = base + rows * row_stride
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; }\n mov.u32 $0, 0;",
-        "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes + tl.zeros_like(mask.to(tl.int32))],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from triton.language.extra.cuda import smid
 
-from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, prefetch_rows, stalled, tl,
-                      triton, wait_at_least)
+from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
 from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
@@ -125,7 +124,6 @@ def fused_kernel(
     ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     CP,                             # column parts per combine task of CT tokens
-    PF1, PF2,                       # PREFETCH: bytes per w13 / w2 row asked of the L2 cache
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
@@ -134,16 +132,12 @@ def fused_kernel(
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
     DM > 0: both GEMMs in decode pieces of DM rows (the weights as the MMA row operand,
     ``gemm.l1_decode_block`` / ``l2_decode_block``; ``Tuning.decode_rows``), each L2 block
-    releasing its rows after its last piece.
-    PREFETCH (decode pieces, compiled kernels): each GEMM block first asks the L2 cache for
-    the first PF1 / PF2 bytes of each of its weight rows, so the weights stream while it
-    waits for its rows (``Tuning.prefetch_bytes``)."""
+    releasing its rows after its last piece."""
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
@@ -215,11 +209,6 @@ def fused_kernel(
                 mb, nb = l1_tile_of(in_wave, n_mb, NB1, GROUP_M1)
                 mb += w0
                 meta = tl.load(block_meta + mb)
-                if PREFETCH:   # gate rows nb * BN1 + r, then up rows I + nb * BN1 + r
-                    r1 = tl.arange(0, 2 * BN1)
-                    wrow = ((meta >> 9).to(tl.int64) * 2 * I + nb * BN1 + r1
-                            + (r1 >= BN1) * (I - BN1))
-                    prefetch_rows(w13, wrow, H, PF1, (r1 < 2 * BN1) & (PF1 > 0))
                 # wait for every m-block of the block's chunk: CHUNK_MB consecutive m-blocks
                 # of its expert (1: just its own block, the token-granular mode)
                 block_start = peer_ptr(table, rank, off_block_start, tl.int32) + (meta >> 9)
@@ -251,10 +240,6 @@ def fused_kernel(
                 mb = w0 + in_l2 // NB2
                 nb = in_l2 % NB2
                 meta = tl.load(block_meta + mb)
-                if PREFETCH:   # rows nb * BN2 + r of the expert's w2 [H, I]
-                    r2 = tl.arange(0, BN2)
-                    prefetch_rows(w2, (meta >> 9).to(tl.int64) * H + nb * BN2 + r2, I, PF2,
-                                  (r2 < BN2) & (PF2 > 0))
                 ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
                                    USE_TIMER=USE_TIMER)
