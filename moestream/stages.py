@@ -348,11 +348,12 @@ class Tuning:
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
-        and F3 on 2x H200): 128-wide L2 blocks (the fused launch runs L2 with the L1's 8
-        warps), one dispatch task per program moving 4 tokens at a time with eager loads,
-        and combine tasks of 4 tokens. Unchanged under the interpreter (the tests choose
-        their tilings). ``sms``: the GPU's SM count (default
-        the buffer's device's; moestream.aot passes one to compile the GPU defaults)."""
+        and F3 on 2x H200, session 16): 128-wide L2 blocks (the fused launch runs L2 with the
+        L1's 8 warps), one dispatch task per program moving 4 tokens at a time (8 where this
+        tuning has 8; decode pieces: 1, whole rows) with eager loads, and combine tasks of 4
+        tokens. Unchanged under the interpreter (the tests choose their tilings). ``sms``:
+        the GPU's SM count (default the buffer's device's; moestream.aot passes one to
+        compile the GPU defaults)."""
         sms = sms or _constants(buffer).sms
         if not sms:
             return self
@@ -363,6 +364,9 @@ class Tuning:
         # which then share SMs while others idle; session 15: 473 vs 518 µs at 8 tokens)
         per_sm = 1
         waves = self.wave_blocks
+        # dispatch tiles of 4 tokens, or 8 where for_call picks them for large calls (session
+        # 16: qwen3 2048 / 8192 tokens 755 / 2536 -> 691 / 2299 µs, dsv3 2048 5352 -> 5162)
+        tile, chunk = max(4, self.dispatch_tile), self.hidden_chunk
         if self.decode_rows:
             l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
             per_sm = 2 if l2_blocks >= 2 * sms else 1
@@ -373,9 +377,14 @@ class Tuning:
             # anyway (session 16: qwen3 128 tokens 252 -> 208 µs, dsv3 2890 -> 2641,
             # mixtral 1 token 332 -> 266)
             waves = ONE_WAVE
-        return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=4,
+            # a decode dispatch task moves one or two tokens: one token at a time, each row
+            # in one load (up to 8192 16-bit words) instead of one peer round trip per
+            # 1024-word chunk, since L1 cannot start before the rows are in (session 16, 1
+            # token: dsv3 275 -> 261 µs, v4flash 155 -> 143, qwen3 73 -> 67; 0-2 % at 32-128)
+            tile, chunk = 1, 8192
+        return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=tile,
                        dispatch_eager=True, combine_tile=4, combine_chunk=512,
-                       fused_per_sm=per_sm, wave_blocks=waves)
+                       fused_per_sm=per_sm, wave_blocks=waves, hidden_chunk=chunk)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",

@@ -743,8 +743,13 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     f = stages.fused_tuning(buf, 1)
     assert (f.decode_rows, f.l1_block_n, f.l1_warps, f.fused_per_sm) == (16, 64, 4, 2)
     assert f.wave_blocks == stages.ONE_WAVE   # decode pieces: every expert in one wave
+    # ... and one-token dispatch tiles moving a 7168-wide row in one load
+    assert (f.dispatch_tile, f.hidden_chunk) == (1, 8192)
+    assert stages._row_chunks(7168, f.hidden_chunk) == 1
     f = stages.fused_tuning(buf, 2048)
     assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
+    assert (f.dispatch_tile, f.hidden_chunk) == (8, 1024)   # 2048 x 8 picks: 8-token tiles
+    assert stages.fused_tuning(buf, 512).dispatch_tile == 4
     # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM: one per SM
     mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
                      device="cpu")
