@@ -109,9 +109,9 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     programs (``Tuning.dispatch_programs``). The model keeps the 128-row GEMM tiles, one
     program per SM and one combine part its calibration was traced with: since session 15
     the kernel runs decode-sized calls in decode pieces, two programs per SM where the L2
-    has the blocks, in one expert wave with one-token dispatch tiles (session 16), and
-    splits small calls' combine tasks into column parts, and large calls dispatch in tiles of
-    8 tokens (``stages.fused_default``), which this model does not."""
+    has the blocks, and splits small calls' combine tasks into column parts; since session
+    16 decode calls run in one expert wave with one-token dispatch tiles, and large calls
+    dispatch in tiles of 8 tokens (``stages.fused_default``). This model does none of that."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
