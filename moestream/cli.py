@@ -308,6 +308,14 @@ def _granularity_arg(s: str) -> int | str:
     return int(s) if s.isdigit() else s
 
 
+def _phase_cell(ph: dict) -> str:
+    """``moestream trace`` table cell of one phase: its span, its tasks and their median µs."""
+    if not ph["tasks"]:
+        return "- (0)"
+    return (f"{ph['start_us']:.0f}-{ph['end_us']:.0f} "
+            f"({ph['tasks']} x {ph['task_us']:.1f})")
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     import json
 
@@ -334,13 +342,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
                     f"granularity {args.granularity}"
                     + (f", tuning {args.tuning}" if overrides else ""))
-    for c in ["rank", "layer µs"] + [f"{p} µs (tasks)" for p in PHASES] + [
+    for c in ["rank", "layer µs"] + [f"{p} µs (tasks x µs each)" for p in PHASES] + [
             "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1"]:
         t.add_column(c, justify="right")
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     for s in summary:
-        ph = [f"{s['phases'][p]['start_us'] or 0:.0f}-{s['phases'][p]['end_us'] or 0:.0f} "
-              f"({s['phases'][p]['tasks']})" for p in PHASES]
+        ph = [_phase_cell(s["phases"][p]) for p in PHASES]
         t.add_row(str(s["rank"]), f"{s['layer_us']:.0f}", *ph, pct(s["comm_hidden"]),
                   pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]), pct(s["l2_waiting"]))
     con.print(t)

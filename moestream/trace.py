@@ -172,7 +172,7 @@ def summarize(rows: np.ndarray) -> list[dict]:
 
     layer_us      first task start to last task end
     phases        per phase: tasks, start_us, end_us, busy_us (union of its tasks' time),
-                  sm_us (sum of its tasks' durations)
+                  sm_us (sum of its tasks' durations), task_us (their median)
     comm_hidden   share of the dispatch+combine busy time during which a GEMM task ran
     l1_during_dispatch   share of the L1 busy time before the last dispatch task ended
     l2_during_l1  share of the L2 busy time during which an L1 task ran (wave overlap)
@@ -195,7 +195,8 @@ def summarize(rows: np.ndarray) -> list[dict]:
             phases[name] = dict(tasks=int(m.sum()),
                                 start_us=float(start[m].min()) if m.any() else None,
                                 end_us=float(end[m].max()) if m.any() else None,
-                                busy_us=_length(u), sm_us=float((end[m] - start[m]).sum()))
+                                busy_us=_length(u), sm_us=float((end[m] - start[m]).sum()),
+                                task_us=float(np.median(end[m] - start[m])) if m.any() else None)
         both = lambda a, b: intervals_union(np.concatenate([unions[a], unions[b]]))  # noqa: E731
         comm, gemm = both("dispatch", "combine"), both("L1", "L2")
         l1 = unions["L1"]

@@ -38,13 +38,14 @@ def test_summary_figures_on_known_rows():
     ], dtype=np.int64)
     s0, s1 = summarize(rows)
     assert s0["layer_us"] == 22 and s0["timed"]
-    assert s0["phases"]["L1"] == dict(tasks=1, start_us=5, end_us=15, busy_us=10, sm_us=10)
+    assert s0["phases"]["L1"] == dict(tasks=1, start_us=5, end_us=15, busy_us=10, sm_us=10,
+                                      task_us=10)
     # comm (0-10, 20-22) meets GEMM (5-20) for 5 us of its 12
     assert s0["comm_hidden"] == pytest.approx(5 / 12)
     assert s0["l1_during_dispatch"] == pytest.approx(5 / 10)
     assert s0["l2_during_l1"] == pytest.approx(3 / 8)
     assert s1["layer_us"] == 10 and s1["comm_hidden"] == 0 and s1["l2_during_l1"] is None
-    assert s1["phases"]["combine"]["tasks"] == 0
+    assert s1["phases"]["combine"]["tasks"] == 0 and s1["phases"]["combine"]["task_us"] is None
     # L2 12-20 of the m-block whose L1 ran 5-15: 3 of its 8 us before its input was done
     assert s0["l2_waiting"] == pytest.approx(3 / 8) and s1["l2_waiting"] is None
 
@@ -62,6 +63,8 @@ def test_l2_waiting_matches_m_blocks():
     ], dtype=np.int64)
     (s,) = summarize(rows)
     assert s["l2_waiting"] == pytest.approx((2 + 0 + 2 + 0) / (10 + 5 + 4 + 1))
+    # the median task: L1 durations 10, 12, 6; L2 10, 5, 4, 1
+    assert (s["phases"]["L1"]["task_us"], s["phases"]["L2"]["task_us"]) == (10, 4.5)
 
 
 def test_timeline_png(tmp_path):
@@ -116,3 +119,16 @@ def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
         run_trace(shape="qwen3", tokens=8, tuning={"wave_blocks": 264})
     assert main(["trace", "--tuning", "wave_blok=264", "--out", "unused.png"]) == 2
     assert "unknown Tuning field 'wave_blok'" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_trace_table_cells():
+    # `moestream trace` shows each phase's span, its tasks and their median duration; a phase
+    # without tasks says so instead of printing a span
+    from moestream.cli import _phase_cell
+    us = 1000
+    rows = np.array([_row(0, 0, 0, 10 * us), _row(0, 0, 2 * us, 5 * us),
+                     _row(1, 0, 6 * us, 20 * us)], dtype=np.int64)
+    (s,) = summarize(rows)
+    assert _phase_cell(s["phases"]["dispatch"]) == "0-10 (2 x 6.5)"
+    assert _phase_cell(s["phases"]["L1"]) == "6-20 (1 x 14.0)"
+    assert _phase_cell(s["phases"]["combine"]) == "- (0)"
