@@ -380,7 +380,8 @@ class Tuning:
             # a decode dispatch task moves one or two tokens: one token at a time, each row
             # in one load (up to 8192 16-bit words) instead of one peer round trip per
             # 1024-word chunk, since L1 cannot start before the rows are in (session 16, 1
-            # token: dsv3 275 -> 261 µs, v4flash 155 -> 143, qwen3 73 -> 67; 0-2 % at 32-128)
+            # token: dsv3 279 -> 261 µs, v4flash 157 -> 143, qwen3 73 -> 67; within 1 % at
+            # 32-128 tokens)
             tile, chunk = 1, 8192
         return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=tile,
                        dispatch_eager=True, combine_tile=4, combine_chunk=512,
