@@ -787,7 +787,8 @@ def test_for_call_sizes_dispatch_tiles_and_l1_groups(shape, tokens, tile, group)
         t = stages.Tuning.for_call(buf, tokens)
         want = tile or stages.Tuning.for_buffer(buf).dispatch_tile   # Hopper's is 4
         assert (t.dispatch_tile, t.l1_group_m) == (want, group), dtype
-        assert stages.fused_tuning(buf, tokens).dispatch_tile == 4   # the fused launch's own
+        # the fused launch keeps the 8-token tickets (session 16), else its own 4
+        assert stages.fused_tuning(buf, tokens).dispatch_tile == (tile or 4), dtype
         buf.destroy()
     # fp4w: never grouped (its L1 is bound by the in-kernel weight decode)
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens, dtype="fp4w")
