@@ -963,7 +963,7 @@ def fused_default(buffer: SymmBuffer, tokens: int) -> Tuning:
 def fused_tuning(buffer: SymmBuffer, tokens: int, *, tuning: Tuning | None = None,
                  granularity: int | str = "token") -> Tuning:
     """The tuning a fused call with ``tokens`` tokens (the most of any local rank) runs with:
-    ``tuning`` (default: ``Tuning.for_call(...).for_fused(...)``), its dispatch task size
+    ``tuning`` (default: ``fused_default``), its dispatch task size
     resolved from ``dispatch_programs`` in token mode, in streaming mode ``granularity``."""
     tuning = tuning or fused_default(buffer, tokens)
     if tuning.dispatch_programs and granularity == "token":
