@@ -441,3 +441,23 @@ def test_ncu_summary_reads_a_report(tmp_path) -> None:
     empty.write_text("==PROF== no kernels were profiled\n")
     with pytest.raises(ValueError, match="no ncu CSV rows"):
         mod.read_report(str(empty))
+
+
+def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
+    # benchmarks/fused_sweep.py: NAME:field=value,... Tuning overrides; the built-in names take
+    # none; a missing name, missing overrides or an unknown field is a ValueError naming it
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_sweep.py"
+    spec = importlib.util.spec_from_file_location("fused_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_variant("w2:wave_blocks=264,fused_per_sm=1") == (
+        "w2", {"wave_blocks": 264, "fused_per_sm": 1})
+    assert mod.parse_variant("staged") == ("staged", {})
+    assert mod.parse_variant("default") == ("default", {})
+    for bad, msg in [("w2", "NAME:field=value"), ("staged:pdl=true", "takes no overrides"),
+                     (":wave_blocks=2", "needs a name"), ("x:nope=1", "unknown Tuning field"),
+                     ("x:fused_per_sm=0", "fused_per_sm must be an int >= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            mod.parse_variant(bad)
