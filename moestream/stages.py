@@ -115,6 +115,12 @@ class Tuning:
     fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
         SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces where the L2 has
         at least that many blocks).
+    fused_l2_group: column blocks per L2 ticket of the fused launch (must divide the L2's
+        column blocks; whole tiles only, not with decode_rows): one flat (column block, K
+        step) loop, so the next block's first loads overlap this block's epilogue, and one
+        completion count (a wait for the ticket's stores) per ticket instead of per block;
+        the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block,
+        stored whole.
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -221,6 +227,7 @@ class Tuning:
     fused_warps: int | None = None
     fused_stages: int | None = None
     fused_per_sm: int = 1
+    fused_l2_group: int = 1
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
@@ -348,10 +355,10 @@ class Tuning:
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
-        and F3 on 2x H200, session 16): 128-wide L2 blocks (the fused launch runs L2 with the
-        L1's 8 warps), one dispatch task per program moving 4 tokens at a time (8 where this
-        tuning has 8; decode pieces: 1, whole rows) with eager loads, and combine tasks of 4
-        tokens. Unchanged under the interpreter (the tests choose their tilings). ``sms``:
+        and F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with
+        the L1's 8 warps), in bf16 two per L2 ticket where I <= 2048 (``fused_l2_group``), one
+        dispatch task per program moving 4 tokens at a time (8 where this tuning has 8; decode
+        pieces: 1, whole rows) with eager loads, and combine tasks of 4 tokens. Unchanged under the interpreter (the tests choose their tilings). ``sms``:
         the GPU's SM count (default the buffer's device's; moestream.aot passes one to
         compile the GPU defaults)."""
         sms = sms or _constants(buffer).sms
@@ -367,6 +374,13 @@ class Tuning:
         # dispatch tiles of 4 tokens, or 8 where for_call picks them for large calls (session
         # 16: qwen3 2048 / 8192 tokens 755 / 2536 -> 691 / 2299 µs, dsv3 2048 5352 -> 5162)
         tile, chunk = max(4, self.dispatch_tile), self.hidden_chunk
+        # bf16 L2 tickets of two column blocks where the L2's K loop is short (I <= 2048), so
+        # per-block costs (pipeline fill, the wait for the stores before the count) weigh
+        # (session 17, 2048 tokens: qwen3 693 -> 646 µs, dsv3 5522 -> 5321, v4flash 2330 ->
+        # 2242; groups of 4 lost at qwen3 and v4flash, 8 everywhere; mixtral, I = 14336:
+        # 2790 -> 2824, not grouped)
+        group = 2 if (cfg.dtype == "bf16" and cfg.intermediate <= 2048
+                      and (cfg.hidden // l2n) % 2 == 0) else 1
         if self.decode_rows:
             l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
             per_sm = 2 if l2_blocks >= 2 * sms else 1
@@ -382,15 +396,15 @@ class Tuning:
             # 1024-word chunk, since L1 cannot start before the rows are in (session 16, 1
             # token: dsv3 279 -> 261 µs, v4flash 157 -> 143, qwen3 73 -> 67; within 1 % at
             # 32-128 tokens)
-            tile, chunk = 1, 8192
-        return replace(self, l2_block_n=l2n, dispatch_programs=sms, dispatch_tile=tile,
+            tile, chunk, group = 1, 8192, 1
+        return replace(self, l2_block_n=l2n, fused_l2_group=group, dispatch_programs=sms, dispatch_tile=tile,
                        dispatch_eager=True, combine_tile=4, combine_chunk=512,
                        fused_per_sm=per_sm, wave_blocks=waves, hidden_chunk=chunk)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
                      "l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                     "l1_group_m", "fused_per_sm", "combine_parts"):
+                     "l1_group_m", "fused_per_sm", "combine_parts", "fused_l2_group"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -877,7 +891,8 @@ STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     """Most tickets one fused launch can hand out (sizes a trace buffer)."""
     cfg = buffer.config
-    nb12 = cfg.intermediate // tuning.l1_tile(cfg)[0] + cfg.hidden // tuning.l2_tile(cfg)[0]
+    nb12 = (cfg.intermediate // tuning.l1_tile(cfg)[0]
+            + cfg.hidden // tuning.l2_tile(cfg)[0] // tuning.fused_l2_group)
     T = cfg.max_tokens_per_rank
     per_rank = (buffer.num_ranks * T + cdiv(T, tuning.combine_tile) * tuning.combine_parts
                 + cfg.max_m_blocks(buffer.num_ranks) * nb12)
@@ -899,6 +914,11 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     bn2, bk2 = tuning.l2_tile(cfg)
     fp8 = cfg.dtype == "fp8"
     dm = tuning.decode_pieces(cfg)
+    group = tuning.fused_l2_group
+    if group > 1 and (dm or (cfg.hidden // bn2) % group):
+        raise ValueError(f"Tuning.fused_l2_group={group} needs whole L2 tiles (decode_rows 0, "
+                         f"got {dm}) and must divide the L2's {cfg.hidden // bn2} column "
+                         f"blocks (hidden={cfg.hidden} / l2 block_n={bn2})")
     # fp8 whole tiles load by pointer (as the staged fp8 L1), decode pieces by descriptor
     tma = tuning.tma(buffer) and (not fp8 or dm > 0)
     _ensure_allocator(tma)
@@ -928,7 +948,8 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
-        DM=dm, **_launch_kw(tuning.fused_warps or tuning.l1_warps,
+        DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 else 1,
+        **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs
     # never wait in a cycle however few are resident, kernels/fused.py; co-resident is faster)

@@ -269,6 +269,13 @@ def test_bad_granularity_names_what_is_allowed(gen):
             mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused", granularity=bad)
     with pytest.raises(ValueError, match="impl='fused'"):
         mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="staged", granularity=16)
+    # L2 tickets of several column blocks: the group must divide the 4 column blocks
+    # (hidden 256 / block_n 64) and needs whole tiles
+    for bad in (dict(fused_l2_group=3), dict(fused_l2_group=8),
+                dict(fused_l2_group=2, decode_rows=16)):
+        with pytest.raises(ValueError, match="fused_l2_group=.* needs whole L2 tiles"):
+            mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused",
+                             tuning=stages.Tuning(**bad))
     with pytest.raises(ValueError, match="dispatch_tile"):
         stages.Tuning(dispatch_tile=3)
     with pytest.raises(ValueError, match="l2_signal must be 'rank' or 'rows'"):
@@ -280,7 +287,7 @@ def test_bad_granularity_names_what_is_allowed(gen):
     with pytest.raises(ValueError, match="combine_warps must be at most 16"):
         stages.Tuning(combine_warps=32)
     for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                 "l1_group_m", "fused_per_sm", "combine_parts"):
+                 "l1_group_m", "fused_per_sm", "combine_parts", "fused_l2_group"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
                 stages.Tuning(**{name: bad})
@@ -746,8 +753,14 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     # ... and one-token dispatch tiles moving a 7168-wide row in one load
     assert (f.dispatch_tile, f.hidden_chunk) == (1, 8192)
     assert stages._row_chunks(7168, f.hidden_chunk) == 1
+    assert f.fused_l2_group == 1   # decode pieces: an L2 ticket per block
     f = stages.fused_tuning(buf, 2048)
     assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
+    assert f.fused_l2_group == 2   # bf16, I = 2048: L2 tickets of two column blocks
+    fp8 = SymmBuffer(cfg.with_(dtype="fp8"), num_ranks=2, device="cpu")
+    fp8._launch_constants = dc_replace(stages._constants(fp8), sms=132)
+    assert stages.fused_tuning(fp8, 2048).fused_l2_group == 1   # fp8: not measured faster
+    fp8.destroy()
     assert (f.dispatch_tile, f.hidden_chunk) == (8, 1024)   # 2048 x 8 picks: 8-token tiles
     assert stages.fused_tuning(buf, 512).dispatch_tile == 4
     # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM: one per SM
@@ -756,6 +769,8 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
     f = stages.fused_tuning(mix, 8)
     assert (f.decode_rows, f.fused_per_sm) == (16, 1)
+    # I = 14336: the L2's K loop is long, its tickets stay one block (grouping measured +1 %)
+    assert stages.fused_tuning(mix, 2048).fused_l2_group == 1
     mix.destroy()
     # combine tasks split into column parts until they cover the SMs: 128 tokens in tasks of
     # 4 -> 32 tasks x 8 parts of 896 columns; 1 token -> 16 parts of 448 (7168 = 7 * 2**10);
@@ -850,28 +865,34 @@ def test_run_staged_marks_each_stage_in_order(gen):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, group", [
-    (2, [24, 20], 6, True, 1),      # two ranks, several expert waves each
-    (3, [10, 0, 24], 4, False, 1),  # a rank with no tokens still serves its experts
+@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, group, l2_group", [
+    (2, [24, 20], 6, True, 1, 1),      # two ranks, several expert waves each
+    (3, [10, 0, 24], 4, False, 1, 1),  # a rank with no tokens still serves its experts
     # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
-    (2, [24, 20], 6, True, 3),
+    (2, [24, 20], 6, True, 3, 1),
+    # L2 tickets of 2 of the 4 column blocks (flat loop, one count per ticket), several waves
+    (2, [24, 20], 6, True, 1, 2),
+    # L2 tickets of all 4 column blocks: an m-block completes with its first ticket; a rank
+    # with no tokens
+    (3, [10, 0, 24], 4, False, 1, 4),
 ])
 def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
-                                                          several_waves, group):
+                                                          several_waves, group, l2_group):
     # the fused kernel's tickets, decoded on the device, are moestream.schedule's virtual order
     cfg = small_config(num_experts=R * e_per_rank)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     # small waves on any device, so several form
-    tuning = stages.Tuning(wave_blocks=8, l1_group_m=group)
+    tuning = stages.Tuning(wave_blocks=8, l1_group_m=group, fused_l2_group=l2_group)
     trace = torch.full((stages.max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
     y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
     stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
     buf.check()
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
                            block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=8, l1_group_m=group)
+                           n_blocks_l2=cfg.l2_n_blocks // l2_group, num_sms=8,
+                           l1_group_m=group)
     want = []
     for t in sched.virtual_order():
         if t.phase == 0:

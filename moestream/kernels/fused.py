@@ -36,7 +36,7 @@ from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, t
 from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
-                   l2_either_block, pool_piece_descriptors)
+                   l2_either_block, pool_piece_descriptors, signal_block_rows)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -132,16 +132,22 @@ def fused_kernel(
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
+    L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
     DM > 0: both GEMMs in decode pieces of DM rows (the weights as the MMA row operand,
     ``gemm.l1_decode_block`` / ``l2_decode_block``; ``Tuning.decode_rows``), each L2 block
-    releasing its rows after its last piece."""
+    releasing its rows after its last piece.
+    L2G > 1 (whole tiles only): an L2 ticket is L2G column blocks of one m-block, run as one
+    flat (column block, K step) loop so that Triton's pipeliner loads the next block's first
+    K steps during this block's epilogue; the m-block's completion is counted once per ticket
+    (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces."""
+    tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
-    NB2 = H // BN2
+    NB2 = H // BN2 // L2G   # L2 tickets per m-block
     d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, CT, CP, off_src_tokens,
                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
     D = tl.sum(d_v, axis=0)
@@ -243,19 +249,29 @@ def fused_kernel(
                 ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
                                    USE_TIMER=USE_TIMER)
-                if ok:   # each block releases its rows' combine flags (SIGNAL_ROWS)
+                if ok:   # each ticket releases its rows' combine flags (SIGNAL_ROWS)
                     if ONE_RANK:
                         a2, wd2 = a2_0, wd2_0
                     else:
                         a2, wd2 = _descriptors(table, rank, off_pool_act, w2, P, H, I, E_LOC,
                                                AB, BM, BN2, BK2, USE_TMA, FP8, DM, True)
-                    l2_either_block(mb, nb, NB2, meta, table, rank,
-                                    peer_ptr(table, rank, off_l2_done, tl.int32),
-                                    peer_ptr(table, rank, off_pool_act, tl.bfloat16),
-                                    peer_ptr(table, rank, off_pool_src, tl.int32), w2, w2_s, a2,
-                                    wd2, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
-                                    T_MAX, R, K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, True,
-                                    1, FP8, 0, 1, DM)
+                    l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
+                    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+                    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+                    if L2G == 1:
+                        l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
+                                        pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
+                                        off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
+                                        UPCAST, USE_TMA, DONE_SCOPE, True, EPI2, FP8, 0, 1, DM)
+                    else:
+                        for j in tl.range(0, L2G, flatten=True):
+                            l2_either_block(mb, nb * L2G + j, NB2, meta, table, rank, l2_done,
+                                            pool_act, pool_src, w2, w2_s, a2, wd2, off_pool_act,
+                                            off_combine_y, off_combine_flag, H, I, AB, T_MAX, R,
+                                            K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, False,
+                                            EPI2, FP8, 0, 1, DM)
+                        signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
+                                          off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
                 phase = ticket * 0 + PHASE_L2
             a = meta >> 9
             b = mb
