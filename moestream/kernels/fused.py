@@ -12,8 +12,8 @@ A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival 
 L2 via l1_done, L2 -> combine via the combine flags, possibly of another rank's launch, whose L2
 never waits on combine), and a program holds at most the ticket it works on plus the next one
 it already claimed (claimed early to hide the counter's latency; still later than the current
-one). So programs never wait in a cycle, however few of them are resident, and a sequential run
-(the interpreter) finishes too.
+one; a dispatch task claims the next ticket only when it is done). So programs never wait in a
+cycle, however few of them are resident, and a sequential run (the interpreter) finishes too.
 
 The publish, signal and layout steps run before this launch (they are per-call setup: the
 pool layout needs every peer's counts).
@@ -166,7 +166,14 @@ def fused_kernel(
     ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     ok = ticket >= 0
     while (ticket < total) & ok:
-        nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")   # lands meanwhile
+        # the next ticket is claimed now, so that the counter's round trip overlaps this
+        # ticket's work; a dispatch task claims it when it is done instead: otherwise a
+        # program could hold two dispatch tasks and run them one after the other while the
+        # first L1 blocks wait for both (session 17: a fifth of the programs did, and the
+        # dispatch phase took twice a task's time)
+        nxt = total
+        if ticket >= D:
+            nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")   # lands meanwhile
         if TRACE:
             t_start = now_ns(USE_TIMER)
         # trace fields, tensors from the start so every branch may reassign them
@@ -187,6 +194,7 @@ def fused_kernel(
                         T_MAX, ROW_W, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
                         off_slot, off_src_row, off_pool_x, off_pool_src, off_pool_weight,
                         off_arrival, K, K_PAD, BH, TT, EAGER)
+            nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
             phase = ticket * 0 + PHASE_DISPATCH
             a = s
             b = t0
