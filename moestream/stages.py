@@ -81,6 +81,20 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
 DISPATCH_TILE8_PICKS = 16384
 
 
+def fused_l2_group_for(cfg, block_n: int) -> int:
+    """Column blocks per L2 ticket of the fused launch in whole tiles (``Tuning.
+    fused_l2_group``): in bf16 with I <= 2048, the smallest power of two from 2 that leaves an
+    m-block at most 16 tickets and divides its column blocks (qwen3 / v4flash: 2 of 16 / 32,
+    dsv3: 4 of 56); otherwise 1."""
+    blocks = cfg.hidden // block_n
+    if cfg.dtype != "bf16" or cfg.intermediate > 2048 or blocks % 2:
+        return 1
+    group = 2
+    while blocks // group > 16 and blocks % (2 * group) == 0:
+        group *= 2
+    return group
+
+
 def l1_group_m_for(column_blocks: int, sms: int) -> int:
     """``Tuning.l1_group_m`` for an L1 of ``column_blocks`` column blocks per m-block on a
     GPU of ``sms`` SMs: 8 when the programs running at once (about one per SM) cover fewer
@@ -146,7 +160,8 @@ class Tuning:
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
-        fused launch stores whole tiles.
+        fused launch stores a lone 128-wide tile whole, grouped (``fused_l2_group``) or wider
+        tiles in these pieces.
     l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
         1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
@@ -356,7 +371,8 @@ class Tuning:
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
         and F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with
-        the L1's 8 warps), in bf16 two per L2 ticket where I <= 2048 (``fused_l2_group``), one
+        the L1's 8 warps), in bf16 two or more per L2 ticket where I <= 2048
+        (``fused_l2_group_for``), one
         dispatch task per program moving 4 tokens at a time (8 where this tuning has 8; decode
         pieces: 1, whole rows) with eager loads, and combine tasks of 4 tokens. Unchanged under the interpreter (the tests choose their tilings). ``sms``:
         the GPU's SM count (default the buffer's device's; moestream.aot passes one to
@@ -374,13 +390,13 @@ class Tuning:
         # dispatch tiles of 4 tokens, or 8 where for_call picks them for large calls (session
         # 16: qwen3 2048 / 8192 tokens 755 / 2536 -> 691 / 2299 µs, dsv3 2048 5352 -> 5162)
         tile, chunk = max(4, self.dispatch_tile), self.hidden_chunk
-        # bf16 L2 tickets of two column blocks where the L2's K loop is short (I <= 2048), so
-        # per-block costs (pipeline fill, the wait for the stores before the count) weigh
-        # (session 17, 2048 tokens: qwen3 693 -> 646 µs, dsv3 5522 -> 5321, v4flash 2330 ->
-        # 2242; groups of 4 lost at qwen3 and v4flash, 8 everywhere; mixtral, I = 14336:
-        # 2790 -> 2824, not grouped)
-        group = 2 if (cfg.dtype == "bf16" and cfg.intermediate <= 2048
-                      and (cfg.hidden // l2n) % 2 == 0) else 1
+        # bf16 where the L2's K loop is short (I <= 2048), so that per-block costs (pipeline
+        # fill, the wait for the stores before the count) weigh: L2 tickets of at least two
+        # column blocks, and more until an m-block has at most 16 tickets (session 17, 2048
+        # tokens, µs: two blocks qwen3 693 -> 646, v4flash 2330 -> 2242, dsv3 5522 -> 5321,
+        # four at dsv3's 56 blocks 5231; four lost at qwen3 and v4flash, eight everywhere;
+        # mixtral, I = 14336: two 2790 -> 2824, not grouped)
+        group = fused_l2_group_for(cfg, l2n)
         if self.decode_rows:
             l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
             per_sm = 2 if l2_blocks >= 2 * sms else 1
@@ -948,7 +964,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
-        DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 else 1,
+        DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs

@@ -756,7 +756,7 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert f.fused_l2_group == 1   # decode pieces: an L2 ticket per block
     f = stages.fused_tuning(buf, 2048)
     assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
-    assert f.fused_l2_group == 2   # bf16, I = 2048: L2 tickets of two column blocks
+    assert f.fused_l2_group == 4   # bf16, I = 2048: 56 L2 column blocks in 14 tickets
     fp8 = SymmBuffer(cfg.with_(dtype="fp8"), num_ranks=2, device="cpu")
     fp8._launch_constants = dc_replace(stages._constants(fp8), sms=132)
     assert stages.fused_tuning(fp8, 2048).fused_l2_group == 1   # fp8: not measured faster
@@ -783,6 +783,21 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert stages.Tuning.for_call(buf, 512, decode=False).l1_tail_rows == 0
     assert stages.fused_tuning(buf, 512).l1_tail_rows == 0
     buf.destroy()
+
+
+def test_fused_l2_groups_leave_at_most_16_tickets_per_m_block():
+    # bf16 with a short L2 K loop (I <= 2048): two column blocks per ticket at least, more
+    # until an m-block has at most 16 tickets; long K (mixtral), fp8 and odd counts: one
+    want = {"qwen3": 2, "v4flash": 2, "dsv3": 4, "mixtral": 1}   # 16, 32, 56, 32 blocks
+    for shape, g in want.items():
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=8)
+        assert stages.fused_l2_group_for(cfg, 128) == g, shape
+        assert (cfg.hidden // 128) % g == 0 and cfg.hidden // 128 // g <= 16 or g == 1
+        assert stages.fused_l2_group_for(cfg.with_(dtype="fp8"), 128) == 1
+    odd = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8).with_(hidden=2048 + 128)
+    assert stages.fused_l2_group_for(odd, 128) == 1        # 17 column blocks
+    wide = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8).with_(hidden=128 * 96)
+    assert stages.fused_l2_group_for(wide, 128) == 8       # 96 blocks: 12 tickets of 8
 
 
 @pytest.mark.parametrize("shape, tokens, tile, group", [
