@@ -369,13 +369,13 @@ class Tuning:
                        dispatch_parts=parts)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
-        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2
-        and F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with
-        the L1's 8 warps), in bf16 two or more per L2 ticket where I <= 2048
-        (``fused_l2_group_for``), one
-        dispatch task per program moving 4 tokens at a time (8 where this tuning has 8; decode
-        pieces: 1, whole rows) with eager loads, and combine tasks of 4 tokens. Unchanged under the interpreter (the tests choose their tilings). ``sms``:
-        the GPU's SM count (default the buffer's device's; moestream.aot passes one to
+        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2 and
+        F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with the
+        L1's 8 warps), in bf16 two or more per L2 ticket where I <= 2048
+        (``fused_l2_group_for``), one dispatch task per program moving 4 tokens at a time (8
+        where this tuning has 8; decode pieces: 1, whole rows) with eager loads, and combine
+        tasks of 4 tokens. Unchanged under the interpreter (the tests choose their tilings).
+        ``sms``: the GPU's SM count (default the buffer's device's; moestream.aot passes one to
         compile the GPU defaults)."""
         sms = sms or _constants(buffer).sms
         if not sms:
@@ -413,8 +413,8 @@ class Tuning:
             # token: dsv3 279 -> 261 µs, v4flash 157 -> 143, qwen3 73 -> 67; within 1 % at
             # 32-128 tokens)
             tile, chunk, group = 1, 8192, 1
-        return replace(self, l2_block_n=l2n, fused_l2_group=group, dispatch_programs=sms, dispatch_tile=tile,
-                       dispatch_eager=True, combine_tile=4, combine_chunk=512,
+        return replace(self, l2_block_n=l2n, fused_l2_group=group, dispatch_programs=sms,
+                       dispatch_tile=tile, dispatch_eager=True, combine_tile=4, combine_chunk=512,
                        fused_per_sm=per_sm, wave_blocks=waves, hidden_chunk=chunk)
 
     def __post_init__(self):

@@ -11,7 +11,9 @@ this project has (kernels/fused.py, tuning of ``moestream.stages``), task by tas
   kernel's ``nxt = atomic_add(...)`` at the top of the loop), so ticket n goes to the program
   whose current ticket began first; it runs it after that current ticket. At launch every
   program claims twice: the first P tickets are the programs' first tickets, the next P their
-  second (the trace shows almost no interleaving of the two).
+  second (the trace shows almost no interleaving of the two). This is the kernel the
+  calibration traces ran; since session 17 a dispatch task claims its next ticket only when
+  it is done, which the model does not follow.
 - **Ticket overhead**: a program begins a ticket ``ticket_overhead_us`` after its previous one
   ended (bookkeeping: locating the ticket, loading its metadata).
 - **Waits inside a ticket.** A program waits (idle) until its ticket's inputs are ready:
@@ -111,7 +113,9 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     the kernel runs decode-sized calls in decode pieces, two programs per SM where the L2
     has the blocks, and splits small calls' combine tasks into column parts; since session
     16 decode calls run in one expert wave with one-token dispatch tiles, and large calls
-    dispatch in tiles of 8 tokens (``stages.fused_default``). This model does none of that."""
+    dispatch in tiles of 8 tokens (``stages.fused_default``); since session 17 bf16 L2
+    tickets hold several column blocks (``stages.fused_l2_group_for``). This model does none
+    of that."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
