@@ -133,8 +133,8 @@ class Tuning:
         column blocks; whole tiles only, not with decode_rows): one flat (column block, K
         step) loop, so the next block's first loads overlap this block's epilogue, and one
         completion count (a wait for the ticket's stores) per ticket instead of per block;
-        the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block,
-        stored whole.
+        the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block
+        (stored whole when 128 wide).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -931,10 +931,13 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     fp8 = cfg.dtype == "fp8"
     dm = tuning.decode_pieces(cfg)
     group = tuning.fused_l2_group
-    if group > 1 and (dm or (cfg.hidden // bn2) % group):
-        raise ValueError(f"Tuning.fused_l2_group={group} needs whole L2 tiles (decode_rows 0, "
-                         f"got {dm}) and must divide the L2's {cfg.hidden // bn2} column "
-                         f"blocks (hidden={cfg.hidden} / l2 block_n={bn2})")
+    if group > 1 and dm:
+        raise ValueError(f"Tuning.fused_l2_group={group} needs whole L2 tiles: use 1 with "
+                         f"decode_rows={dm} (decode pieces)")
+    if (cfg.hidden // bn2) % group:
+        raise ValueError(f"Tuning.fused_l2_group={group} must divide the L2's "
+                         f"{cfg.hidden // bn2} column blocks (hidden={cfg.hidden} / l2 "
+                         f"block_n={bn2})")
     # fp8 whole tiles load by pointer (as the staged fp8 L1), decode pieces by descriptor
     tma = tuning.tma(buffer) and (not fp8 or dm > 0)
     _ensure_allocator(tma)

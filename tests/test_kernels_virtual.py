@@ -271,9 +271,10 @@ def test_bad_granularity_names_what_is_allowed(gen):
         mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="staged", granularity=16)
     # L2 tickets of several column blocks: the group must divide the 4 column blocks
     # (hidden 256 / block_n 64) and needs whole tiles
-    for bad in (dict(fused_l2_group=3), dict(fused_l2_group=8),
-                dict(fused_l2_group=2, decode_rows=16)):
-        with pytest.raises(ValueError, match="fused_l2_group=.* needs whole L2 tiles"):
+    for bad, msg in ((dict(fused_l2_group=3), "must divide the L2's 4 column blocks"),
+                     (dict(fused_l2_group=8), "must divide the L2's 4 column blocks"),
+                     (dict(fused_l2_group=2, decode_rows=16), "needs whole L2 tiles")):
+        with pytest.raises(ValueError, match=f"fused_l2_group=.* {msg}"):
             mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused",
                              tuning=stages.Tuning(**bad))
     with pytest.raises(ValueError, match="dispatch_tile"):
