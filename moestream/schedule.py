@@ -5,14 +5,15 @@ against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
 
 - expert *waves*: consecutive local experts grouped until the wave's L1 blocks can fill the
   SMs; all L1 blocks of a wave are handed out, then the wave's L2 blocks, then the next wave,
-  so L2 of wave w overlaps dispatch/L1 of wave w+1;
+  so L2 of wave w overlaps dispatch/L1 of wave w+1 (``l2_lag`` 1: wave w's L2 blocks come
+  after wave w+1's L1 blocks, so they do not wait for L1 blocks that just started);
 - *blocks* (expert, m_block, n_block), n fastest, so concurrent programs share the A rows;
   L1 blocks optionally in groups of m-blocks (``l1_group_m``), so that where an m-block has
   many column blocks (mixtral) concurrent programs share weight tiles instead;
 - *tokens*: dispatch tasks (one per source token) and combine tasks (one per own token).
 
-Ticket order on one rank: every dispatch task, then wave by wave its L1 then its L2 blocks, then
-every combine task. A task only waits on tasks earlier in the order (or, for combine, on L2
+Ticket order on one rank: every dispatch task, then wave by wave its L1 then its L2 blocks (or
+the previous wave's, ``l2_lag``), then every combine task. A task only waits on tasks earlier in the order (or, for combine, on L2
 blocks of other ranks, which never wait on combine), so programs that take tickets in order
 from an atomic counter can never deadlock, however few of them run at once.
 
@@ -180,7 +181,7 @@ def wave_block_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[t
 
 def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: int,
                    block_m: int, n_blocks_l1: int, n_blocks_l2: int, num_sms: int,
-                   l1_group_m: int = 1) -> Schedule:
+                   l1_group_m: int = 1, l2_lag: int = 0) -> Schedule:
     """The schedule of one call from every rank's routing (plain nested lists of ints).
 
     Args:
@@ -190,10 +191,16 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         num_sms: programs that fit on the device at once (sizes the waves).
         l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``wave_block_order``,
             ``Tuning.l1_group_m``).
+        l2_lag: 0: a wave's L2 tickets follow its own L1 tickets; 1: they follow the next
+            wave's L1 tickets (the last wave's come after every L1 ticket;
+            ``Tuning.fused_l2_lag``).
     """
     if isinstance(l1_group_m, bool) or not isinstance(l1_group_m, int) or l1_group_m < 1:
         raise ValueError(f"l1_group_m must be an int >= 1 (m-blocks per group), got "
                          f"{l1_group_m!r}")
+    if type(l2_lag) is not int or l2_lag not in (0, 1):
+        raise ValueError(f"l2_lag must be 0 or 1 (waves an L2 ticket follows its L1 by), got "
+                         f"{l2_lag!r}")
     R = len(topk_idx)
     if R == 0 or num_experts % R:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the rank count ({R})")
@@ -235,12 +242,16 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         tickets = [Task(d, Phase.DISPATCH, source=s, token=t)
                    for s in range(R) for t in range(len(topk_idx[s]))]
         expert_of = [e for e in range(e_loc) for _ in range(block_start[e], block_start[e + 1])]
+        l1, l2 = [], []
         for w, (a, b) in enumerate(waves):
             mbs = range(block_start[a], block_start[b])
-            tickets += [Task(d, Phase.L1, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
-                        for mb, n in wave_block_order(mbs, n_blocks_l1, l1_group_m)]
-            tickets += [Task(d, Phase.L2, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
-                        for mb, n in wave_block_order(mbs, n_blocks_l2)]
+            l1.append([Task(d, Phase.L1, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
+                       for mb, n in wave_block_order(mbs, n_blocks_l1, l1_group_m)])
+            l2.append([Task(d, Phase.L2, expert=expert_of[mb], m_block=mb, n_block=n, wave=w)
+                       for mb, n in wave_block_order(mbs, n_blocks_l2)])
+        for w in range(len(waves) + l2_lag):   # L1 of wave w, then L2 of wave w - l2_lag
+            tickets += l1[w] if w < len(waves) else []
+            tickets += l2[w - l2_lag] if w >= l2_lag else []
         tickets += [Task(d, Phase.COMBINE, token=t) for t in range(len(topk_idx[d]))]
         plans.append(RankPlan(d, expert_count, block_start, src_row, pool_src, waves, tickets))
     top_k = max((len(row) for rows in topk_idx for row in rows), default=0)

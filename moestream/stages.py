@@ -135,6 +135,11 @@ class Tuning:
         completion count (a wait for the ticket's stores) per ticket instead of per block;
         the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block
         (stored whole when 128 wide).
+    fused_l2_lag: 0 or 1: the fused launch hands out a wave's L2 tickets right after its L1
+        tickets (0), or after the next wave's L1 tickets (1), so that they find their L1
+        blocks done instead of waiting (session 17's trace of qwen3 at 2048 tokens: 13 % of
+        the L2 tickets' time went to that wait). 1 is correct on the CPU interpreter and
+        not yet measured on GPUs: off by default.
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -243,6 +248,7 @@ class Tuning:
     fused_stages: int | None = None
     fused_per_sm: int = 1
     fused_l2_group: int = 1
+    fused_l2_lag: int = 0
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
@@ -445,6 +451,9 @@ class Tuning:
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
+        if type(self.fused_l2_lag) is not int or self.fused_l2_lag not in (0, 1):
+            raise ValueError(f"Tuning.fused_l2_lag must be 0 or 1 (waves an L2 ticket follows "
+                             f"its L1 by), got {self.fused_l2_lag!r}")
         if type(self.fp4w_rows) is not int or self.fp4w_rows not in (16, 32, 64, 128, 256):
             raise ValueError(f"Tuning.fp4w_rows must be 16, 32, 64, 128 or 256, got "
                              f"{self.fp4w_rows!r}")
@@ -968,6 +977,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
+        L2_LAG=tuning.fused_l2_lag,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs

@@ -300,6 +300,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="pdl must be a bool"):
             stages.Tuning(pdl=bad)
+    for bad in (2, -1, True, 1.0):
+        with pytest.raises(ValueError, match="fused_l2_lag must be 0 or 1"):
+            stages.Tuning(fused_l2_lag=bad)
     for bad in (0, 3, True, 2.0):
         with pytest.raises(ValueError, match="l2_split_m must be 1 or 2"):
             stages.Tuning(l2_split_m=bad)
@@ -881,34 +884,40 @@ def test_run_staged_marks_each_stage_in_order(gen):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, group, l2_group", [
-    (2, [24, 20], 6, True, 1, 1),      # two ranks, several expert waves each
-    (3, [10, 0, 24], 4, False, 1, 1),  # a rank with no tokens still serves its experts
+@pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, extra", [
+    (2, [24, 20], 6, True, {}),      # two ranks, several expert waves each
+    (3, [10, 0, 24], 4, False, {}),  # a rank with no tokens still serves its experts
     # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
-    (2, [24, 20], 6, True, 3, 1),
+    (2, [24, 20], 6, True, dict(l1_group_m=3)),
     # L2 tickets of 2 of the 4 column blocks (flat loop, one count per ticket), several waves
-    (2, [24, 20], 6, True, 1, 2),
+    (2, [24, 20], 6, True, dict(fused_l2_group=2)),
     # L2 tickets of all 4 column blocks: an m-block completes with its first ticket; a rank
     # with no tokens
-    (3, [10, 0, 24], 4, False, 1, 4),
+    (3, [10, 0, 24], 4, False, dict(fused_l2_group=4)),
+    # a wave's L2 tickets after the next wave's L1 tickets (the last wave's after all L1)
+    (2, [24, 20], 6, True, dict(fused_l2_lag=1)),
+    # ... with L2 groups, and on three ranks, one of them without tokens
+    (3, [24, 0, 17], 5, True, dict(fused_l2_lag=1, fused_l2_group=2, l1_group_m=2)),
+    # ... on one rank (R=1: the launch's one set of weights and descriptors), several waves
+    (1, [24], 6, True, dict(fused_l2_lag=1)),
 ])
 def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
-                                                          several_waves, group, l2_group):
+                                                          several_waves, extra):
     # the fused kernel's tickets, decoded on the device, are moestream.schedule's virtual order
     cfg = small_config(num_experts=R * e_per_rank)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     # small waves on any device, so several form
-    tuning = stages.Tuning(wave_blocks=8, l1_group_m=group, fused_l2_group=l2_group)
+    tuning = stages.Tuning(wave_blocks=8, **extra)
     trace = torch.full((stages.max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
     y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
     stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
     buf.check()
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
                            block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks // l2_group, num_sms=8,
-                           l1_group_m=group)
+                           n_blocks_l2=cfg.l2_n_blocks // tuning.fused_l2_group, num_sms=8,
+                           l1_group_m=tuning.l1_group_m, l2_lag=tuning.fused_l2_lag)
     want = []
     for t in sched.virtual_order():
         if t.phase == 0:

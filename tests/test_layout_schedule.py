@@ -56,7 +56,8 @@ def schedules(draw):
                           min_size=0, max_size=10)) for _ in range(R)]
     return build_schedule(topk, num_experts=E, block_m=draw(st.sampled_from([1, 2, 4])),
                           n_blocks_l1=draw(st.integers(1, 3)), n_blocks_l2=draw(st.integers(1, 3)),
-                          num_sms=draw(st.integers(1, 8)), l1_group_m=draw(st.integers(1, 3)))
+                          num_sms=draw(st.integers(1, 8)), l1_group_m=draw(st.integers(1, 3)),
+                          l2_lag=draw(st.integers(0, 1)))
 
 
 def test_wave_block_order_groups_m_blocks():
@@ -106,6 +107,21 @@ def test_l1_of_a_wave_before_its_l2_and_dependencies_earlier(sched):
             assert pos[dep] < pos[t], (dep, t)
 
 
+def test_l2_lag_puts_a_waves_l2_after_the_next_waves_l1():
+    # 4 experts of 2 m-blocks (block_m 2, 4 picks each), 2 L1 column blocks: a wave closes at
+    # 4 L1 blocks (num_sms), so each expert is its own wave
+    topk = [[[e] for e in range(4) for _ in range(4)]]
+    kw = dict(num_experts=4, block_m=2, n_blocks_l1=2, n_blocks_l2=3, num_sms=4)
+    base = build_schedule(topk, **kw).plans[0]
+    lag = build_schedule(topk, **kw, l2_lag=1).plans[0]
+    assert len(base.waves) == len(lag.waves) == 4
+    seq = lambda plan: [(int(t.phase), t.wave) for t in plan.tickets if t.phase in (1, 2)]
+    runs = lambda plan: [k for i, k in enumerate(seq(plan)) if i == 0 or seq(plan)[i - 1] != k]
+    assert runs(base) == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3)]
+    assert runs(lag) == [(1, 0), (1, 1), (2, 0), (1, 2), (2, 1), (1, 3), (2, 2), (2, 3)]
+    assert sorted(base.tickets, key=repr) == sorted(lag.tickets, key=repr)   # same tasks
+
+
 def test_bad_schedule_input():
     with pytest.raises(ValueError, match="outside"):
         build_schedule([[[5]]], num_experts=4, block_m=1, n_blocks_l1=1, n_blocks_l2=1, num_sms=1)
@@ -115,3 +131,7 @@ def test_bad_schedule_input():
         with pytest.raises(ValueError, match="l1_group_m must be an int >= 1"):
             build_schedule([[[0]]], num_experts=1, block_m=1, n_blocks_l1=1, n_blocks_l2=1,
                            num_sms=1, l1_group_m=bad)
+    for bad in (2, -1, True, 1.0):
+        with pytest.raises(ValueError, match="l2_lag must be 0 or 1"):
+            build_schedule([[[0]]], num_experts=1, block_m=1, n_blocks_l1=1, n_blocks_l2=1,
+                           num_sms=1, l2_lag=bad)

@@ -5,7 +5,8 @@ Programs take tickets from an atomic counter, in the dependency order of
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
-        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks
+        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (L2_LAG 1: the
+        previous wave's L2 blocks; the last wave's after all L1 blocks)
     every combine task (local rank, CT tokens from token j * CT, column part p of CP)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
@@ -132,7 +133,7 @@ def fused_kernel(
     USE_TIMER: tl.constexpr,
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
-    L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1,
+    L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1, L2_LAG: tl.constexpr = 0,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
@@ -142,7 +143,9 @@ def fused_kernel(
     L2G > 1 (whole tiles only): an L2 ticket is L2G column blocks of one m-block, run as one
     flat (column block, K step) loop so that Triton's pipeliner loads the next block's first
     K steps during this block's epilogue; the m-block's completion is counted once per ticket
-    (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces."""
+    (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces.
+    L2_LAG 1: a wave's L2 tickets follow the next wave's L1 tickets instead of its own
+    (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed."""
     tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
@@ -202,17 +205,32 @@ def fused_kernel(
             lr, local = _locate(ticket - D, g_v)
             rank = rank0 + lr
             diag = peer_ptr(table, rank, off_diag, tl.int32)
-            # the expert wave of the block: waves start at m-block wave_mb[w], and wave w's
-            # tickets start at wave_mb[w] * (NB1 + NB2)
             ev = tl.arange(0, E_PAD)
             n_waves = tl.load(peer_ptr(table, rank, off_num_waves, tl.int32))
             wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
-            ends = tl.load(wave_mb + 1 + ev, mask=ev < n_waves, other=2147483647)
-            # ends * (NB1 + NB2) <= local, without the product (ends is 2**31 - 1 past the end)
-            w = tl.sum((ends <= local // (NB1 + NB2)).to(tl.int32), axis=0)
-            w0 = tl.load(wave_mb + w)
-            n_mb = tl.load(wave_mb + w + 1) - w0
-            in_wave = local - w0 * (NB1 + NB2)
+            if L2_LAG == 0:
+                # the expert wave of the block: waves start at m-block wave_mb[w], and wave
+                # w's tickets start at wave_mb[w] * (NB1 + NB2)
+                ends = tl.load(wave_mb + 1 + ev, mask=ev < n_waves, other=2147483647)
+                # ends * (NB1 + NB2) <= local, without the product (2**31 - 1 past the end)
+                w = tl.sum((ends <= local // (NB1 + NB2)).to(tl.int32), axis=0)
+                w0 = tl.load(wave_mb + w)
+                l2_mb0 = w0  # the L2 blocks that follow are the same wave's
+                n_mb = tl.load(wave_mb + w + 1) - w0
+                in_wave = local - w0 * (NB1 + NB2)
+            else:
+                # segment s: wave s's L1 blocks, then wave s - 1's L2 blocks (segment 0: no
+                # L2, segment n_waves: no L1); it starts at wave_mb[s] * NB1 + wave_mb[s - 1]
+                # * NB2 (wave_mb[0] = 0)
+                sv = ev + 1
+                sm = ev < n_waves
+                starts = tl.where(sm, tl.load(wave_mb + sv, mask=sm, other=0) * NB1
+                                  + tl.load(wave_mb + ev, mask=sm, other=0) * NB2, 2147483647)
+                w = tl.sum((starts <= local).to(tl.int32), axis=0)
+                w0 = tl.load(wave_mb + w)
+                l2_mb0 = tl.load(wave_mb + tl.maximum(w - 1, 0))
+                n_mb = tl.load(wave_mb + tl.minimum(w + 1, n_waves)) - w0
+                in_wave = local - w0 * NB1 - l2_mb0 * NB2
             block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
             if ONE_RANK:
                 w13, w13_s, w2, w2_s = w13_0, w13s_0, w2_0, w2s_0
@@ -251,7 +269,7 @@ def fused_kernel(
                 phase = ticket * 0 + PHASE_L1
             else:
                 in_l2 = in_wave - n_mb * NB1
-                mb = w0 + in_l2 // NB2
+                mb = l2_mb0 + in_l2 // NB2
                 nb = in_l2 % NB2
                 meta = tl.load(block_meta + mb)
                 ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,

@@ -114,8 +114,9 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     has the blocks, and splits small calls' combine tasks into column parts; since session
     16 decode calls run in one expert wave with one-token dispatch tiles, and large calls
     dispatch in tiles of 8 tokens (``stages.fused_default``); since session 17 bf16 L2
-    tickets hold several column blocks (``stages.fused_l2_group_for``). This model does none
-    of that."""
+    tickets hold several column blocks (``stages.fused_l2_group_for``) and, as an option,
+    a wave's L2 tickets can follow the next wave's L1 (``Tuning.fused_l2_lag``). This model
+    does none of that."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
