@@ -13,9 +13,10 @@ against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
 - *tokens*: dispatch tasks (one per source token) and combine tasks (one per own token).
 
 Ticket order on one rank: every dispatch task, then wave by wave its L1 then its L2 blocks (or
-the previous wave's, ``l2_lag``), then every combine task. A task only waits on tasks earlier in the order (or, for combine, on L2
-blocks of other ranks, which never wait on combine), so programs that take tickets in order
-from an atomic counter can never deadlock, however few of them run at once.
+the previous wave's, ``l2_lag``), then every combine task. A task only waits on tasks earlier
+in the order (or, for combine, on L2 blocks of other ranks, which never wait on combine), so
+programs that take tickets in order from an atomic counter can never deadlock, however few of
+them run at once.
 
 m_block numbers are global within a rank's pool (expert e's blocks are block_start[e] ...), the
 same numbering as the pool layout in ``moestream.routing`` and the kernels' counters.
