@@ -26,8 +26,9 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/moestream run
 
+# Two workers: CI's machine has 2 cores and the interpreter tests are single-threaded.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 check: install
 	$(VENV)/bin/moestream check

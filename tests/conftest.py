@@ -13,6 +13,9 @@ import pytest
 import torch
 
 SESSION_SEED = int(os.environ.get("MOESTREAM_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist's workers are started after this module is imported in the controller and
+# inherit its environment, so they all use the seed the header prints.
+os.environ["MOESTREAM_SEED"] = str(SESSION_SEED)
 HAS_CUDA = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
