@@ -244,9 +244,9 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                                                         l2_tail_rows=32))
                 label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
                 stages.run_staged(*args, tuning=replace(tuning, l1_group_m=8))
-                label[0] = " gpu-default l2 lag"   # a wave's L2 after the next wave's L1
+                label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
                 stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
-                                                       fused_l2_lag=1))
+                                                       fused_l2_lag=0))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = " fused decode"   # ... and stages.fused_default for the fused launch

@@ -4,16 +4,17 @@ The kernels hand out work in the order this module writes down, and the tests ch
 against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
 
 - expert *waves*: consecutive local experts grouped until the wave's L1 blocks can fill the
-  SMs; all L1 blocks of a wave are handed out, then the wave's L2 blocks, then the next wave,
-  so L2 of wave w overlaps dispatch/L1 of wave w+1 (``l2_lag`` 1: wave w's L2 blocks come
-  after wave w+1's L1 blocks, so they do not wait for L1 blocks that just started);
+  SMs; the L1 blocks of wave w + 1 are handed out, then the L2 blocks of wave w (``l2_lag``
+  1, the default: they find their L1 blocks done instead of waiting for blocks that just
+  started), so L2 of wave w overlaps L1 of wave w + 1; ``l2_lag`` 0 hands out a wave's L2
+  blocks right after its own L1 blocks (DESIGN.md's order);
 - *blocks* (expert, m_block, n_block), n fastest, so concurrent programs share the A rows;
   L1 blocks optionally in groups of m-blocks (``l1_group_m``), so that where an m-block has
   many column blocks (mixtral) concurrent programs share weight tiles instead;
 - *tokens*: dispatch tasks (one per source token) and combine tasks (one per own token).
 
-Ticket order on one rank: every dispatch task, then wave by wave its L1 then its L2 blocks (or
-the previous wave's, ``l2_lag``), then every combine task. A task only waits on tasks earlier
+Ticket order on one rank: every dispatch task, then wave by wave its L1 blocks and the
+previous wave's L2 blocks (``l2_lag`` 0: its own), then every combine task. A task only waits on tasks earlier
 in the order (or, for combine, on L2 blocks of other ranks, which never wait on combine), so
 programs that take tickets in order from an atomic counter can never deadlock, however few of
 them run at once.
@@ -182,7 +183,7 @@ def wave_block_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[t
 
 def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: int,
                    block_m: int, n_blocks_l1: int, n_blocks_l2: int, num_sms: int,
-                   l1_group_m: int = 1, l2_lag: int = 0) -> Schedule:
+                   l1_group_m: int = 1, l2_lag: int = 1) -> Schedule:
     """The schedule of one call from every rank's routing (plain nested lists of ints).
 
     Args:
@@ -192,9 +193,9 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         num_sms: programs that fit on the device at once (sizes the waves).
         l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``wave_block_order``,
             ``Tuning.l1_group_m``).
-        l2_lag: 0: a wave's L2 tickets follow its own L1 tickets; 1: they follow the next
-            wave's L1 tickets (the last wave's come after every L1 ticket;
-            ``Tuning.fused_l2_lag``).
+        l2_lag: 1 (the fused launch's default, ``Tuning.fused_l2_lag``): a wave's L2
+            tickets follow the next wave's L1 tickets (the last wave's come after every L1
+            ticket); 0: they follow its own L1 tickets.
     """
     if isinstance(l1_group_m, bool) or not isinstance(l1_group_m, int) or l1_group_m < 1:
         raise ValueError(f"l1_group_m must be an int >= 1 (m-blocks per group), got "

@@ -136,10 +136,14 @@ class Tuning:
         the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block
         (stored whole when 128 wide).
     fused_l2_lag: 0 or 1: the fused launch hands out a wave's L2 tickets right after its L1
-        tickets (0), or after the next wave's L1 tickets (1), so that they find their L1
-        blocks done instead of waiting (session 17's trace of qwen3 at 2048 tokens: 13 % of
-        the L2 tickets' time went to that wait). 1 is correct on the CPU interpreter and
-        not yet measured on GPUs: off by default.
+        tickets (0), or after the next wave's L1 tickets (1, the default), so that they find
+        their L1 blocks done instead of waiting (session 17's trace of qwen3 at 2048 tokens:
+        13 % of the L2 tickets' time went to that wait). Session 18 on 2x H200, 0 -> 1, µs:
+        qwen3 2048 / 8192 tokens 616 / 1916 -> 593 / 1899, dsv3 5091 / 14302 -> 4902 /
+        14084, v4flash 2211 / 6678 -> 2134 / 6550, mixtral 2048 2790 -> 2762; fp8 qwen3 620 /
+        2047 -> 605 / 2018, dsv3 4165 / 11961 -> 4004 / 11615; mixtral 128 555 -> 490 (the
+        0 runs spread down to 496); equal within noise at 1 and 128 tokens elsewhere (one
+        wave in decode pieces: nothing to reorder).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -248,7 +252,7 @@ class Tuning:
     fused_stages: int | None = None
     fused_per_sm: int = 1
     fused_l2_group: int = 1
-    fused_l2_lag: int = 0
+    fused_l2_lag: int = 1
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1

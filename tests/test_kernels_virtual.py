@@ -885,7 +885,9 @@ def test_run_staged_marks_each_stage_in_order(gen):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, extra", [
-    (2, [24, 20], 6, True, {}),      # two ranks, several expert waves each
+    # two ranks, several expert waves each: a wave's L2 tickets after the next wave's L1
+    # tickets (the last wave's after all L1; the default fused_l2_lag 1)
+    (2, [24, 20], 6, True, {}),
     (3, [10, 0, 24], 4, False, {}),  # a rank with no tokens still serves its experts
     # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
     (2, [24, 20], 6, True, dict(l1_group_m=3)),
@@ -894,12 +896,12 @@ def test_run_staged_marks_each_stage_in_order(gen):
     # L2 tickets of all 4 column blocks: an m-block completes with its first ticket; a rank
     # with no tokens
     (3, [10, 0, 24], 4, False, dict(fused_l2_group=4)),
-    # a wave's L2 tickets after the next wave's L1 tickets (the last wave's after all L1)
-    (2, [24, 20], 6, True, dict(fused_l2_lag=1)),
+    # a wave's L2 tickets right after its own L1 tickets (fused_l2_lag 0)
+    (2, [24, 20], 6, True, dict(fused_l2_lag=0)),
     # ... with L2 groups, and on three ranks, one of them without tokens
-    (3, [24, 0, 17], 5, True, dict(fused_l2_lag=1, fused_l2_group=2, l1_group_m=2)),
-    # ... on one rank (R=1: the launch's one set of weights and descriptors), several waves
-    (1, [24], 6, True, dict(fused_l2_lag=1)),
+    (3, [24, 0, 17], 5, True, dict(fused_l2_lag=0, fused_l2_group=2, l1_group_m=2)),
+    # one rank (R=1: the launch's one set of weights and descriptors), several waves
+    (1, [24], 6, True, {}),
 ])
 def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
                                                           several_waves, extra):

@@ -179,7 +179,8 @@ def test_blocks_and_ticket_order_match_the_reference_scheduler():
     plan = build_plan(config=cfg, routing=rt, fabric=make_fabric("nvlink", calib=cal),
                       granularity="token", comm_sms=2, calib=cal, gemm="triton")
     sched = build_schedule(rt.tolist(), num_experts=8, block_m=16, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=plan.compute_sms)
+                           n_blocks_l2=cfg.l2_n_blocks, num_sms=plan.compute_sms,
+                           l2_lag=0)   # the model's order: a wave's L2 after its own L1
     for d in range(R):
         mine = np.flatnonzero(plan.blk_rank == d)
         off = mine.min()
