@@ -14,10 +14,10 @@ against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
 - *tokens*: dispatch tasks (one per source token) and combine tasks (one per own token).
 
 Ticket order on one rank: every dispatch task, then wave by wave its L1 blocks and the
-previous wave's L2 blocks (``l2_lag`` 0: its own), then every combine task. A task only waits on tasks earlier
-in the order (or, for combine, on L2 blocks of other ranks, which never wait on combine), so
-programs that take tickets in order from an atomic counter can never deadlock, however few of
-them run at once.
+previous wave's L2 blocks (``l2_lag`` 0: its own), then every combine task. A task only
+waits on tasks earlier in the order (or, for combine, on L2 blocks of other ranks, which never
+wait on combine), so programs that take tickets in order from an atomic counter can never
+deadlock, however few of them run at once.
 
 m_block numbers are global within a rank's pool (expert e's blocks are block_start[e] ...), the
 same numbering as the pool layout in ``moestream.routing`` and the kernels' counters.
