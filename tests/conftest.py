@@ -33,6 +33,12 @@ def pytest_report_header(config):
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(set by moestream if no CUDA)')}")
 
 
+def pytest_terminal_summary(terminalreporter):
+    # also under -q (which hides the header) and with xdist (the workers share this seed)
+    terminalreporter.write_line(f"moestream: inputs drawn with MOESTREAM_SEED={SESSION_SEED} "
+                                f"(set it to replay this run's inputs)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not HAS_CUDA:
