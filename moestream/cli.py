@@ -308,6 +308,11 @@ def _granularity_arg(s: str) -> int | str:
     return int(s) if s.isdigit() else s
 
 
+def _per_sm_cell(per_sm: dict) -> str:
+    """`moestream trace`'s program time per SM: each phase's, then the gaps between tasks."""
+    return " / ".join(f"{v:.0f}" for v in per_sm.values())
+
+
 def _phase_cell(ph: dict) -> str:
     """``moestream trace`` table cell of one phase: its span, its tasks and their median µs."""
     if not ph["tasks"]:
@@ -343,13 +348,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     f"granularity {args.granularity}"
                     + (f", tuning {args.tuning}" if overrides else ""))
     for c in ["rank", "layer µs"] + [f"{p} µs (tasks x µs each)" for p in PHASES] + [
-            "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1"]:
+            "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1",
+            "per SM µs: " + " / ".join(PHASES) + " / idle"]:
         t.add_column(c, justify="right")
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     for s in summary:
         ph = [_phase_cell(s["phases"][p]) for p in PHASES]
         t.add_row(str(s["rank"]), f"{s['layer_us']:.0f}", *ph, pct(s["comm_hidden"]),
-                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]), pct(s["l2_waiting"]))
+                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]), pct(s["l2_waiting"]),
+                  _per_sm_cell(s["per_sm_us"]))
     con.print(t)
     plot_timeline(rows, args.out, title=f"{args.shape}, {args.tokens} tokens/rank, "
                                         f"{torch.cuda.device_count()} GPUs, {args.granularity}")

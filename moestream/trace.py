@@ -179,6 +179,11 @@ def summarize(rows: np.ndarray) -> list[dict]:
     l2_waiting    share of the L2 tasks' time (sum of durations) spent before the last L1
                   task of their m-block ended: time an L2 program held its ticket waiting
                   for ``l1_done`` (L2 tickets claimed while their wave's L1 still runs)
+    sms           SMs that ran at least one task
+    per_sm_us     program time per SM: each phase's sm_us over ``sms``, and ``idle``: the
+                  mean over SMs of the time between an SM's first task start and its last
+                  task end that none of its tasks covered (ticket claims, gaps). Comparable
+                  with the staged path's per-stage times when every SM is busy throughout.
     timed         False when every timestamp is 0 (the interpreter has no clock)
     """
     out = []
@@ -203,14 +208,23 @@ def summarize(rows: np.ndarray) -> list[dict]:
         d_end = phases["dispatch"]["end_us"]
         before = (overlap_length(l1, np.array([[0.0, d_end]])) if d_end is not None else 0.0)
         ratio = lambda a, b: (a / b) if b > 0 else None  # noqa: E731
+        sms = np.unique(r[:, SM])
+        per_sm = {name: phases[name]["sm_us"] / len(sms) for name in PHASES}
+        per_sm["idle"] = float(np.mean([_idle(start[r[:, SM] == s], end[r[:, SM] == s])
+                                        for s in sms]))
         out.append(dict(
             rank=int(rank), layer_us=float(end.max()), phases=phases,
             comm_hidden=ratio(overlap_length(comm, gemm), _length(comm)),
             l1_during_dispatch=ratio(before, _length(l1)),
             l2_during_l1=ratio(overlap_length(unions["L2"], l1), _length(unions["L2"])),
             l2_waiting=ratio(_l2_waiting(r, start, end), phases["L2"]["sm_us"]),
-            timed=bool(end.max() > 0)))
+            sms=len(sms), per_sm_us=per_sm, timed=bool(end.max() > 0)))
     return out
+
+
+def _idle(start: np.ndarray, end: np.ndarray) -> float:
+    """µs between the first start and the last end of one SM's tasks that no task covers."""
+    return float(end.max() - start.min()) - _length(intervals_union(np.stack([start, end], 1)))
 
 
 def _l2_waiting(r: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:

@@ -67,6 +67,25 @@ def test_l2_waiting_matches_m_blocks():
     assert (s["phases"]["L1"]["task_us"], s["phases"]["L2"]["task_us"]) == (10, 4.5)
 
 
+def test_per_sm_time_and_gaps():
+    # SM 0: dispatch 0-10, L1 12-20 (2 us gap), L2 25-30 (5 us gap); SM 3: L1 0-8 and
+    # 4-12 overlapping (a second program on the SM: no gap, 12 us covered), combine 20-21
+    # (8 us gap). Per SM: dispatch 10/2, L1 (8 + 8 + 8)/2, L2 5/2, combine 1/2, idle (7 + 8)/2
+    us = 1000
+    rows = np.array([
+        _row(0, 0, 0, 10 * us), _row(1, 0, 12 * us, 20 * us), _row(2, 0, 25 * us, 30 * us),
+        _row(1, 0, 0, 8 * us, sm=3), _row(1, 0, 4 * us, 12 * us, sm=3),
+        _row(3, 0, 20 * us, 21 * us, sm=3),
+    ], dtype=np.int64)
+    (s,) = summarize(rows)
+    assert s["sms"] == 2
+    assert s["per_sm_us"] == pytest.approx(dict(dispatch=5, L1=12, L2=2.5, combine=0.5,
+                                                idle=7.5))
+    assert list(s["per_sm_us"]) == ["dispatch", "L1", "L2", "combine", "idle"]
+    from moestream.cli import _per_sm_cell
+    assert _per_sm_cell(s["per_sm_us"]) == "5 / 12 / 2 / 0 / 8"
+
+
 def test_timeline_png(tmp_path):
     us = 1000
     rows = np.array([_row(p, r, (p * 4 + r) * us, (p * 4 + r + 6) * us, sm=p + 2 * r)
