@@ -86,6 +86,33 @@ def test_per_sm_time_and_gaps():
     assert _per_sm_cell(s["per_sm_us"]) == "5 / 12 / 2 / 0 / 8"
 
 
+def test_trace_command_prints_and_saves(monkeypatch, tmp_path, capsys):
+    # `moestream trace` end to end on hand-made rows (the GPU run replaced): the table with
+    # every column, the PNG and the JSON with rows and summary
+    import json
+
+    import torch
+
+    import moestream.trace as trace
+    from moestream.cli import main
+    us = 1000
+    rows = np.array([_row(0, 0, 0, 10 * us), _row(1, 0, 12 * us, 20 * us, m_block=0),
+                     _row(2, 0, 25 * us, 30 * us, m_block=0), _row(3, 0, 30 * us, 31 * us),
+                     _row(0, 1, 0, 4 * us, sm=5), _row(3, 1, 4 * us, 9 * us, sm=5)],
+                    dtype=np.int64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(trace, "run_trace", lambda **kw: rows)
+    monkeypatch.setenv("COLUMNS", "400")   # one line per row: rich wraps narrow tables
+    png, js = tmp_path / "t.png", tmp_path / "t.json"
+    assert main(["trace", "--out", str(png), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "per SM µs" in out and "10 / 8 / 5 / 1 / 7" in out   # rank 0: idle 2 + 5
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(js.read_text())
+    assert saved["rows"] == rows.tolist() and saved["summary"][1]["per_sm_us"]["idle"] == 0
+
+
 def test_timeline_png(tmp_path):
     us = 1000
     rows = np.array([_row(p, r, (p * 4 + r) * us, (p * 4 + r + 6) * us, sm=p + 2 * r)
