@@ -244,6 +244,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                                                         l2_tail_rows=32))
                 label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
                 stages.run_staged(*args, tuning=replace(tuning, l1_group_m=8))
+                label[0] = " one dot"   # the L1's gate and up as one MMA (large calls)
+                stages.run_staged(*args, tuning=replace(tuning, l1_one_dot=True))
                 label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
                 stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
                                                        fused_l2_lag=0))

@@ -72,6 +72,17 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
     return rows(block_m), (rows(block_m // l2_split_m) if dtype == "fp8" else 0)
 
 
+def one_dot_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_m: int) -> bool:
+    """``Tuning.l1_one_dot`` for a bf16 staged call: on once the mean rows per expert under
+    uniform routing (tokens * ranks * top_k / num_experts) reach 2 * block_m. Measured on 2x
+    H200 (benchmarks/NOTES.md, session 19): the L1 alone at 2048 rows per expert 5812 -> 5266
+    µs (dsv3 dims) and 638 -> 608 (qwen3), 512 rows 166 -> 160 (qwen3), equal at dsv3 512, 1-4 %
+    slower at 128; in the layer (two runs in both orders) qwen3 2048 / 8192 tokens (256 / 1024
+    rows per expert) 478 -> 469 / 1502 -> 1469 µs, the others within their +-2 % order
+    effect."""
+    return tokens * ranks * top_k / max(num_experts, 1) >= 2 * block_m
+
+
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
 # (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14 on 2x
 # H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 -> 695, qwen3
@@ -166,6 +177,19 @@ class Tuning:
         with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
         otherwise the plain loop runs. 5-15 % faster with 128x128 tiles (benchmarks/NOTES.md,
         session 5; the same loop in L1 measured 3x slower and was removed).
+    l1_one_dot: the staged L1 computes a block's gate and up columns as one MMA of
+        2 * l1_block_n columns per K step, their weight rows loaded as one [2, block_n, K
+        step] tile of w13 seen as [E/R * 2, I, H] (a 3-D tensor descriptor), instead of two
+        MMAs of block_n (sm_90: 81 instead of 103 instructions per K step, no spills). bf16
+        whole tiles with descriptors only (ignored in fp8, fp4w, decode and tail pieces, with
+        pointer loads, and by the fused launch). ``for_call`` turns it on from 2 * block_m
+        rows per expert (``one_dot_for``; session 19: the L1 alone 5-9 % faster at 512-2048
+        rows per expert, 1-4 % slower at 128).
+    l1_flat: the staged L1's tile loop and K loop as one flat loop, as l2_flat (only without
+        waits, in bf16 whole tiles; else the plain loop). Off: Triton 3.6 pipelines it (sm_90:
+        no spills, 229 KB of shared memory) but it measured 15-30 % slower (session 19: L1
+        alone at dsv3 2048 rows per expert 5812 -> 7202 µs; in the layer qwen3 2048 tokens
+        233 -> 263 µs of L1); with l1_one_dot it spills in the loop.
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
@@ -268,6 +292,8 @@ class Tuning:
     l1_group_m: int = 1
     l2_signal: str = "rank"
     l2_flat: bool = False
+    l1_one_dot: bool = False
+    l1_flat: bool = False
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
@@ -328,7 +354,8 @@ class Tuning:
         call touches so few experts that 128-wide blocks leave SMs idle (each block then
         streams its weights alone). Large calls dispatch in tiles of 8 tokens
         (``DISPATCH_TILE8_PICKS``); L1 tickets walk groups of m-blocks where an m-block has
-        many column blocks (``l1_group_m_for``)."""
+        many column blocks (``l1_group_m_for``). bf16 calls of at least 2 * block_m rows per
+        expert compute the L1's gate and up as one MMA (``one_dot_for``)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
         if not sms:
@@ -352,7 +379,10 @@ class Tuning:
             bn = t.l1_tile(cfg)[0]
             while bn > 32 and touched * (cfg.intermediate // bn) < sms:
                 bn //= 2
-            t = replace(t, l1_block_n=bn)
+            t = replace(t, l1_block_n=bn,
+                        l1_one_dot=one_dot_for(tokens=tokens, ranks=buffer.num_ranks,
+                                               top_k=cfg.top_k, num_experts=cfg.num_experts,
+                                               block_m=cfg.block_m))
         if cfg.dtype == "fp4w":   # its L1 is bound by the in-kernel decode, not by HBM:
             return t              # grouped, mixtral 512 measured 4716 vs 4331 µs (session 14)
         return replace(t, l1_group_m=l1_group_m_for(cfg.intermediate // t.l1_tile(cfg)[0], sms))
@@ -448,8 +478,9 @@ class Tuning:
                                  f"got {getattr(self, name)!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
-        if not isinstance(self.l2_flat, bool):
-            raise ValueError(f"Tuning.l2_flat must be a bool, got {self.l2_flat!r}")
+        for name in ("l2_flat", "l1_one_dot", "l1_flat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
             raise ValueError(f"Tuning.l2_split_m must be 1 or 2, got {self.l2_split_m!r}")
         if self.l2_split_m > 1 and self.l2_signal != "rank":
@@ -821,9 +852,11 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
             off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning))
+    whole = not fp8 and not dm and not w4   # bf16 whole tiles
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
-              GROUP_M=tuning.l1_group_m,
+              GROUP_M=tuning.l1_group_m, ONE_DOT=tuning.l1_one_dot and tma and whole,
+              FLAT=tuning.l1_flat and not tuning.wait and whole,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

@@ -295,8 +295,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (0, 3, 8, True, 2.0):
         with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
             stages.Tuning(l2_epilogue_split=bad)
-    with pytest.raises(ValueError, match="l2_flat must be a bool"):
-        stages.Tuning(l2_flat=1)
+    for name in ("l2_flat", "l1_one_dot", "l1_flat"):
+        with pytest.raises(ValueError, match=f"{name} must be a bool"):
+            stages.Tuning(**{name: 1})
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="pdl must be a bool"):
             stages.Tuning(pdl=bad)
@@ -510,10 +511,19 @@ def test_bad_arguments_name_what_is_wrong(gen):
     # 8-token dispatch tickets with eager loads (large calls on GPUs): 21 and 10 tokens end
     # in partly filled tiles
     stages.Tuning(dispatch_tile=8, dispatch_eager=True),
+    # the L1's gate and up as one MMA over a [2, block_n, K step] weight tile (3-D descriptor)
+    stages.Tuning(use_tma=True, l1_one_dot=True, l1_block_n=64),
+    # ... in a flat (tile, K) loop, in groups of m-blocks, with 3 programs for more tiles
+    stages.Tuning(use_tma=True, l1_one_dot=True, l1_flat=True, wait=False, l1_group_m=3,
+                  programs=3),
+    # a flat L1 loop with two MMAs per step (pointer loads); with waits it is not flat
+    stages.Tuning(use_tma=False, l1_flat=True, wait=False, programs=3),
+    stages.Tuning(use_tma=True, l1_flat=True, l1_one_dot=True),
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
         "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8",
-        "dispatch-tile8"])
+        "dispatch-tile8", "l1-one-dot", "l1-one-dot-flat", "l1-flat-pointers",
+        "l1-flat-with-waits"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 
@@ -526,6 +536,19 @@ def test_l1_groups_where_an_m_block_has_many_column_blocks():
     for intermediate in (2048, 768):                         # dsv3 / v4flash, qwen3
         assert stages.l1_group_m_for(intermediate // 128, sms) == 1
     assert stages.l1_group_m_for(33, sms) == 1 and stages.l1_group_m_for(34, sms) == 8
+
+
+def test_one_dot_l1_from_two_m_blocks_per_expert():
+    # Tuning.for_call's rule: the L1 as one gate-and-up MMA once the mean rows per expert
+    # (tokens * ranks * top_k / experts) reach 2 * block_m; EP2 on the model shapes
+    def on(tokens, experts, top_k):
+        return stages.one_dot_for(tokens=tokens, ranks=2, top_k=top_k, num_experts=experts,
+                                  block_m=128)
+    assert on(2048, 128, 8) and on(8192, 128, 8)            # qwen3: 256 / 1024 rows
+    assert not on(2048, 256, 8) and on(4096, 256, 8)        # dsv3: 128 / 256 rows
+    assert not on(2048, 256, 6) and on(8192, 256, 6)        # v4flash: 96 / 384 rows
+    assert on(512, 8, 2) and not on(511, 8, 2)              # mixtral: the boundary at 256
+    assert not on(0, 8, 2)                                  # an empty call
 
 
 def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,

@@ -66,11 +66,17 @@ def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
 
 @triton.jit
 def l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
-    """Tensor descriptors (TMA) of L1's A rows [P, H] and weight tiles [E_LOC * 2I, H]."""
+                   BK: tl.constexpr, ONE_DOT: tl.constexpr = False):
+    """Tensor descriptors (TMA) of L1's A rows [P, H] and weight tiles [E_LOC * 2I, H];
+    ONE_DOT: weight tiles [2, BN, BK] of w13 seen as [E_LOC * 2, I, H] (a column block's gate
+    and up rows in one load)."""
     a_desc = tl.make_tensor_descriptor(pool_x, shape=[P, H], strides=[H, 1], block_shape=[BM, BK])
-    w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2 * I, H], strides=[H, 1],
-                                       block_shape=[BN, BK])
+    if ONE_DOT:
+        w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2, I, H], strides=[I * H, H, 1],
+                                           block_shape=[2, BN, BK])
+    else:
+        w_desc = tl.make_tensor_descriptor(w13, shape=[E_LOC * 2 * I, H], strides=[H, 1],
+                                           block_shape=[BN, BK])
     return a_desc, w_desc
 
 
@@ -130,14 +136,15 @@ def weight_tile(w, SWAP: tl.constexpr):
 @triton.jit
 def l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SIGNAL: tl.constexpr = True):
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SIGNAL: tl.constexpr = True,
+             ONE_DOT: tl.constexpr = False):
     """One L1 block: gate and up GEMMs of (m_block, n_block), SwiGLU x weight, release.
     ``meta``: the m-block's block_meta entry (expert * 512 + valid_m). SIGNAL: release-add
-    the m-block's ``l1_done`` (``count_l1_done``)."""
+    the m-block's ``l1_done`` (``count_l1_done``). ONE_DOT: see ``l1_rows``."""
     # Padding rows past valid_m hold stale data: rows are independent in a GEMM, so they only
     # spoil their own (never stored) output rows.
     l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I, BM, BN, BK,
-            BM, UPCAST, USE_TMA, False)
+            BM, UPCAST, USE_TMA, False, ONE_DOT)
     count_l1_done(l1_done, mb, SIGNAL)
 
 
@@ -155,13 +162,42 @@ def count_l1_done(l1_done, mb, SIGNAL: tl.constexpr):
 @triton.jit
 def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-            UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+            UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr,
+            ONE_DOT: tl.constexpr = False):
     """Rows r0 .. r0+ROWS-1 of an L1 block: gate and up GEMMs, SwiGLU x weight, stored into
     pool_act (rows past valid_m are not). SWAP (decode pieces): computed as [BN, ROWS] =
     weight tiles @ rows^T, the weights as the MMA's row operand, and stored transposed.
-    USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    USE_TMA: ``a_desc`` has ROWS-row tiles. ONE_DOT (descriptors, not SWAP): gate and up as
+    one [ROWS, 2 * BN] MMA per K step, their rows loaded as one [2, BN, BK] tile
+    (``l1_descriptors``), then split."""
+    tl.static_assert(not ONE_DOT or (USE_TMA and not SWAP), "one dot: descriptors, no swap")
     e = meta >> 9
     vm = meta & 511
+    if ONE_DOT:
+        acc = tl.zeros([ROWS, 2 * BN], tl.float32)
+        for k0 in range(0, H, BK):
+            a = a_desc.load([mb * BM + r0, k0])
+            w = tl.reshape(w_desc.load([e * 2, nb * BN, k0]), [2 * BN, BK])
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w.T, acc)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [ROWS, 2, BN]), (0, 2, 1)))
+        l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST,
+                 False)
+    else:
+        acc_g, acc_u = l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I, BM, BN, BK,
+                              ROWS, UPCAST, USE_TMA, SWAP)
+        l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST,
+                 SWAP)
+
+
+@triton.jit
+def l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+           UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+    """The K loop of ``l1_rows`` as two MMAs per step: fp32 (gate, up) of expert ``e``,
+    [ROWS, BN] ([BN, ROWS] with SWAP)."""
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
@@ -194,6 +230,16 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
+    return acc_g, acc_u
+
+
+@triton.jit
+def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr,
+             BN: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr):
+    """The epilogue of ``l1_rows``: SwiGLU x the rows' top-k weights into pool_act (``vm``
+    valid rows in the m-block)."""
+    n = nb * BN + tl.arange(0, BN)
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     rv = r0 + tl.arange(0, ROWS) < vm
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     if SWAP:
@@ -361,10 +407,10 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
                     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
-                    SIGNAL: tl.constexpr = True):
+                    SIGNAL: tl.constexpr = True, ONE_DOT: tl.constexpr = False):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
-    rows (TAIL: only a block of at most DM rows)."""
+    rows (TAIL: only a block of at most DM rows). ONE_DOT: bf16 whole tiles (``l1_rows``)."""
     if FP8:
         l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
@@ -374,7 +420,7 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                         H, I, BM, BN, BK, DM, UPCAST, USE_TMA, TAIL, SIGNAL)
     else:
         l1_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
-                 BM, BN, BK, UPCAST, USE_TMA, SIGNAL)
+                 BM, BN, BK, UPCAST, USE_TMA, SIGNAL, ONE_DOT)
 
 
 @triton.jit
@@ -390,7 +436,7 @@ def l1_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
-    GROUP_M: tl.constexpr = 1,
+    GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -404,8 +450,12 @@ def l1_kernel(
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``). With n fastest
     (1) and many column blocks (mixtral: I / BN = 112 against 132 SMs), the programs running
     at once cover about one m-block, so every m-block streams its expert's whole w13 from
-    HBM again; grouped, the m-blocks of a group share each weight tile while it is cached."""
+    HBM again; grouped, the m-blocks of a group share each weight tile while it is cached.
+    ONE_DOT (bf16 whole tiles by descriptor): gate and up as one MMA of 2 * BN columns per K
+    step (``l1_rows``). FLAT (no WAIT, no SIGNAL): one flat (tile, K step) loop, so that
+    Triton's pipeliner loads the next tile's first K steps during this tile's epilogue."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
+    tl.static_assert(not FLAT or not (WAIT or SIGNAL), "a flat L1 loop neither waits nor counts")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
@@ -426,12 +476,20 @@ def l1_kernel(
                                                 E_LOC * 2 * I, BM, BN, BK, DM,
                                                 BM if TAIL else 0, FP8)
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
-        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK)
+        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
     NB = I // BN
     num_m = tl.load(block_start + E_LOC)
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
+    if FLAT:
+        for t in tl.range(pid, total, nprog, flatten=True):
+            mb, nb = l1_tile_of(t, num_m, NB, GROUP_M)
+            l1_either_block(mb, nb, tl.load(block_meta + mb), table, rank, l1_done, pool_x,
+                            pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
+                            off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
+                            USE_TMA, FP8, DM, W4, TAIL, False, ONE_DOT)
+        ticket = total
     meta = tl.load(block_meta + l1_tile_of(ticket, num_m, NB, GROUP_M)[0], mask=ticket < total,
                    other=0)
     while (ticket < total) & ok:
@@ -446,7 +504,7 @@ def l1_kernel(
             l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM, W4, TAIL, SIGNAL)
+                            USE_TMA, FP8, DM, W4, TAIL, SIGNAL, ONE_DOT)
         meta = meta_next
         ticket += nprog
 
