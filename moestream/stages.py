@@ -176,7 +176,7 @@ class Tuning:
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
         with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
         otherwise the plain loop runs. 5-15 % faster with 128x128 tiles (benchmarks/NOTES.md,
-        session 5; the same loop in L1 measured 3x slower and was removed).
+        session 5; the L1's, l1_flat, measured slower: sessions 5 and 19).
     l1_one_dot: the staged L1 computes a block's gate and up columns as one MMA of
         2 * l1_block_n columns per K step, their weight rows loaded as one [2, block_n, K
         step] tile of w13 seen as [E/R * 2, I, H] (a 3-D tensor descriptor), instead of two
