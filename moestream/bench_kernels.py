@@ -145,11 +145,9 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
     GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
     # session 19: the L1's gate and up as one 256-wide MMA (a [2, 128, 64] weight tile by a
-    # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills), and the
-    # L1 as one flat (tile, K) loop with its two MMAs (the next tile's loads during this
-    # tile's epilogue; 229 KB of shared memory, no spills)
+    # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
+    # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
-    GemmVariant("l1-flat", 128, replace(_BF16, l1_flat=True)),
 ])
 
 

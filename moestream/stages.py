@@ -38,6 +38,12 @@ EXPERT_CHUNK_TOKENS = 256
 EXPERT_CHUNK_BLOCKS = 1 << 30
 
 
+def mean_rows_per_expert(*, tokens: int, ranks: int, top_k: int, num_experts: int) -> float:
+    """Rows an expert receives on average under uniform routing: tokens * ranks * top_k /
+    num_experts (``tokens`` per rank)."""
+    return tokens * ranks * top_k / max(num_experts, 1)
+
+
 def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
                     block_m: int) -> int:
     """``Tuning.decode_rows`` for a call (0: off): 16 when an expert is unlikely to receive
@@ -46,7 +52,7 @@ def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
     rows then run one 16-row piece and blocks of 17-32 one 32-row piece, each reading its
     weights once (session 7: faster than the 128-row tiles at 16 and 32 rows per expert).
     A hot expert's fuller blocks take up to block_m / 32 pieces."""
-    mean = tokens * ranks * top_k / max(num_experts, 1)
+    mean = mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k, num_experts=num_experts)
     if block_m % 16 == 0 and mean + 3 * mean ** 0.5 + 1 <= 32:
         return 16
     return 0
@@ -63,7 +69,7 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
     whose empty second 64-row piece is skipped), bf16 1.00-1.06x; at 2048 tokens (96-256
     rows) fp8 lost up to 9 % (v4flash) or gained 3 % (qwen3), bf16 nothing. 32-row pieces (16
     where 32 does not divide the piece), off for fp4w."""
-    mean = tokens * ranks * top_k / max(num_experts, 1)
+    mean = mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k, num_experts=num_experts)
     if dtype not in ("bf16", "fp8") or mean > block_m / 2:
         return 0, 0
 
@@ -80,7 +86,8 @@ def one_dot_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_
     slower at 128; in the layer (two runs in both orders) qwen3 2048 / 8192 tokens (256 / 1024
     rows per expert) 478 -> 469 / 1502 -> 1469 µs, the others within their +-2 % order
     effect."""
-    return tokens * ranks * top_k / max(num_experts, 1) >= 2 * block_m
+    return mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k,
+                                num_experts=num_experts) >= 2 * block_m
 
 
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
@@ -176,7 +183,8 @@ class Tuning:
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
         with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
         otherwise the plain loop runs. 5-15 % faster with 128x128 tiles (benchmarks/NOTES.md,
-        session 5; the L1's, l1_flat, measured slower: sessions 5 and 19).
+        session 5; the same loop in L1 measured slower and was removed, again in session 19
+        with descriptors: 15-30 %).
     l1_one_dot: the staged L1 computes a block's gate and up columns as one MMA of
         2 * l1_block_n columns per K step, their weight rows loaded as one [2, block_n, K
         step] tile of w13 seen as [E/R * 2, I, H] (a 3-D tensor descriptor), instead of two
@@ -185,11 +193,6 @@ class Tuning:
         pointer loads, and by the fused launch). ``for_call`` turns it on from 2 * block_m
         rows per expert (``one_dot_for``; session 19: the L1 alone 5-9 % faster at 512-2048
         rows per expert, 1-4 % slower at 128).
-    l1_flat: the staged L1's tile loop and K loop as one flat loop, as l2_flat (only without
-        waits, in bf16 whole tiles; else the plain loop). Off: Triton 3.6 pipelines it (sm_90:
-        no spills, 229 KB of shared memory) but it measured 15-30 % slower (session 19: L1
-        alone at dsv3 2048 rows per expert 5812 -> 7202 µs; in the layer qwen3 2048 tokens
-        233 -> 263 µs of L1); with l1_one_dot it spills in the loop.
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
@@ -293,7 +296,6 @@ class Tuning:
     l2_signal: str = "rank"
     l2_flat: bool = False
     l1_one_dot: bool = False
-    l1_flat: bool = False
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
@@ -478,7 +480,7 @@ class Tuning:
                                  f"got {getattr(self, name)!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
-        for name in ("l2_flat", "l1_one_dot", "l1_flat"):
+        for name in ("l2_flat", "l1_one_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
@@ -856,7 +858,6 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               GROUP_M=tuning.l1_group_m, ONE_DOT=tuning.l1_one_dot and tma and whole,
-              FLAT=tuning.l1_flat and not tuning.wait and whole,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

@@ -295,7 +295,7 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (0, 3, 8, True, 2.0):
         with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
             stages.Tuning(l2_epilogue_split=bad)
-    for name in ("l2_flat", "l1_one_dot", "l1_flat"):
+    for name in ("l2_flat", "l1_one_dot"):
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             stages.Tuning(**{name: 1})
     for bad in (1, "on", None):
@@ -513,17 +513,14 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(dispatch_tile=8, dispatch_eager=True),
     # the L1's gate and up as one MMA over a [2, block_n, K step] weight tile (3-D descriptor)
     stages.Tuning(use_tma=True, l1_one_dot=True, l1_block_n=64),
-    # ... in a flat (tile, K) loop, in groups of m-blocks, with 3 programs for more tiles
-    stages.Tuning(use_tma=True, l1_one_dot=True, l1_flat=True, wait=False, l1_group_m=3,
-                  programs=3),
-    # a flat L1 loop with two MMAs per step (pointer loads); with waits it is not flat
-    stages.Tuning(use_tma=False, l1_flat=True, wait=False, programs=3),
-    stages.Tuning(use_tma=True, l1_flat=True, l1_one_dot=True),
+    # ... without waits, in groups of m-blocks (the last smaller), 3 programs for more tiles
+    stages.Tuning(use_tma=True, l1_one_dot=True, wait=False, l1_group_m=3, programs=3),
+    # ... asked for with pointer loads: the two-MMA form runs (one dot needs descriptors)
+    stages.Tuning(use_tma=False, l1_one_dot=True),
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
         "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8",
-        "dispatch-tile8", "l1-one-dot", "l1-one-dot-flat", "l1-flat-pointers",
-        "l1-flat-with-waits"])
+        "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 

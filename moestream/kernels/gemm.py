@@ -436,7 +436,7 @@ def l1_kernel(
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
-    GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, FLAT: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -452,10 +452,8 @@ def l1_kernel(
     at once cover about one m-block, so every m-block streams its expert's whole w13 from
     HBM again; grouped, the m-blocks of a group share each weight tile while it is cached.
     ONE_DOT (bf16 whole tiles by descriptor): gate and up as one MMA of 2 * BN columns per K
-    step (``l1_rows``). FLAT (no WAIT, no SIGNAL): one flat (tile, K step) loop, so that
-    Triton's pipeliner loads the next tile's first K steps during this tile's epilogue."""
+    step (``l1_rows``)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
-    tl.static_assert(not FLAT or not (WAIT or SIGNAL), "a flat L1 loop neither waits nor counts")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
@@ -482,14 +480,6 @@ def l1_kernel(
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
-    if FLAT:
-        for t in tl.range(pid, total, nprog, flatten=True):
-            mb, nb = l1_tile_of(t, num_m, NB, GROUP_M)
-            l1_either_block(mb, nb, tl.load(block_meta + mb), table, rank, l1_done, pool_x,
-                            pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
-                            off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
-                            USE_TMA, FP8, DM, W4, TAIL, False, ONE_DOT)
-        ticket = total
     meta = tl.load(block_meta + l1_tile_of(ticket, num_m, NB, GROUP_M)[0], mask=ticket < total,
                    other=0)
     while (ticket < total) & ok:
