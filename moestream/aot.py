@@ -150,13 +150,20 @@ def _compile_only(capability: int, compiled: dict, label: list):
         driver._active = None   # back to "whatever the machine has" (reset_active needs one)
 
 
+# global loads/stores of one 1- or 2-byte value (not vectors): what row copies compile to
+# when the compiler cannot see that their addresses are aligned (benchmarks/NOTES.md, session 20)
+_NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?:8|16)\b")
+
+
 def _facts(compiled: dict) -> list[dict]:
     out = []
     for key, (name, kernel) in sorted(compiled.items()):
         md = kernel.metadata
+        ptx = kernel.asm["ptx"]
+        narrow = [m for m in _NARROW_GLOBAL.findall(ptx) if ".v2." not in m and ".v4." not in m]
         out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
                         shared_bytes=md.shared, launch_pdl=bool(md.launch_pdl),
-                        grid_dep_wait="griddepcontrol.wait" in kernel.asm["ptx"],
+                        grid_dep_wait="griddepcontrol.wait" in ptx, narrow_global=len(narrow),
                         **_sass_facts(kernel.asm["cubin"])))
     return out
 

@@ -88,6 +88,8 @@ class SymmBuffer:
             ptrs = [s.data_ptr() for s in self._storage]
         else:
             ptrs = self._init_group(config, group, device)
+        # kernels/_common.peer_ptr tells the compiler every region is 16-byte aligned
+        assert all(p % 16 == 0 for p in ptrs), [hex(p) for p in ptrs]
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         self.max_spins = int(timeout_spins) if timeout_spins else _default_spins(self.device)
         if self.max_spins <= 0:

@@ -89,6 +89,15 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
             assert row["stack_bytes"] == 0, row
 
 
+def test_buffer_rows_move_in_vectors(compiled_rows):
+    # every buffer address comes from an int64 table (kernels/_common.peer_ptr): unless the
+    # compiler is told the regions are 16-byte aligned, each row copy (dispatch, combine,
+    # the GEMM epilogues, publish) compiles to one 1- or 2-byte access per value (session 20:
+    # 1.2x slower fused calls). No layer kernel, in any mode, may have such an access.
+    narrow = {r["kernel"]: r["narrow_global"] for r in compiled_rows if r["narrow_global"]}
+    assert not narrow, narrow
+
+
 def test_programmatic_dependent_launch_only_when_asked(compiled, compiled_fp8, compiled_pdl):
     # Tuning.pdl (off by default): every staged kernel is then launched with launch_pdl and
     # starts with griddepcontrol.wait (pdl_enter); without it, none is
@@ -153,8 +162,8 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
 
 def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_fp8):
     # the usual tile and the tail piece in one kernel: both warpgroup MMAs (twice the count),
-    # no new spill, and as many programs per SM as the kernel without pieces (the grid is
-    # sized from it)
+    # no new spill, and at least as many programs per SM as the kernel without pieces (the
+    # grid is sized from it)
     from moestream.stages import resident_per_sm
     assert set(compiled_tail) == {("l1_kernel", "bf16"), ("l2_kernel", "bf16"),
                                   ("l1_kernel", "fp8"), ("l2_kernel", "fp8")}
@@ -167,7 +176,7 @@ def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_f
         mma = "e4m3_gmma" if dtype == "fp8" else "hgmma"
         assert row[mma] > base[mma] > 0 and row["hmma"] == 0, row
         assert row["stack_bytes"] <= base["stack_bytes"], (row, base)
-        assert fit(row) == fit(base), (row, base)
+        assert fit(row) >= fit(base), (row, base)
 
 
 @pytest.mark.parametrize("regs,shared,warps,want", [

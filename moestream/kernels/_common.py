@@ -37,8 +37,7 @@ from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa
                                          globaltimer)
 
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
-           "peer_ptrs",
-           "aligned_peer_ptr", "aligned_ptr_from",
+           "peer_ptrs", "aligned_ptr_from",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
            "PHASE_CODES", "next_pow2"]
 
@@ -91,16 +90,12 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
-    """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar)."""
-    base = tl.load(table + rank).to(tl.int64)
-    return (base + byte_offset).to(tl.pointer_type(DTYPE))
-
-
-@triton.jit
-def aligned_peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
-    """``peer_ptr`` that the compiler knows to be 16-byte aligned (vector loads, cp.async
-    pipelining); only for offsets that are: region starts (moestream.layout.ALIGN) plus
-    multiples of 16. Buffers themselves start at least 256-byte aligned."""
+    """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar), which the
+    compiler is told is 16-byte aligned: every caller passes a region start
+    (moestream.layout.ALIGN) plus a multiple of 16, and buffers start 16-byte aligned
+    (``SymmBuffer`` asserts it). Without that an address made from an integer is only known
+    to be 1-byte aligned, and every row copy from it moved one value per instruction
+    (benchmarks/NOTES.md, session 20)."""
     base = tl.load(table + rank).to(tl.int64)
     return tl.multiple_of((base + byte_offset).to(tl.pointer_type(DTYPE)), 16)
 
