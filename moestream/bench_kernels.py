@@ -148,13 +148,9 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
     # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
-    # session 20: the L2 warp-specialised in Gluon (Tuning.l2_ws: a loader warp, MMA warps
-    # that wait on mbarriers only): 128x128 in 3 slots (two programs per SM), 4 slots (one),
-    # 128x256 with 8 MMA warps, and tickets in groups of 4 m-blocks
-    GemmVariant("l2-ws", 128, replace(_BF16, l2_ws=True)),
-    GemmVariant("l2-ws-s4", 128, replace(_BF16, l2_ws=True, l2_stages=4)),
-    GemmVariant("l2-ws-n256", 128, replace(_BF16, l2_ws=True, l2_block_n=256, l2_warps=8)),
-    GemmVariant("l2-ws-g4", 128, replace(_BF16, l2_ws=True, l2_group_m=4)),
+    # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
+    # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
+    # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)
 ])
 
 

@@ -193,13 +193,6 @@ class Tuning:
         pointer loads, and by the fused launch). ``for_call`` turns it on from 2 * block_m
         rows per expert (``one_dot_for``; session 19: the L1 alone 5-9 % faster at 512-2048
         rows per expert, 1-4 % slower at 128).
-    l2_ws: the staged L2 as ``kernels/gemm_ws.l2_ws_kernel`` (Gluon, Hopper GPUs only): one
-        loader warp streams the tiles' K steps through ``l2_stages`` shared-memory slots
-        while the MMA warps (``l2_warps``: 4 for l2_block_n 128, 8 for 256) only wait on
-        mbarriers, instead of one program that loads, waits, multiplies and stores in turn.
-        bf16 whole tiles with descriptors, no waits, l2_signal "rank" (ValueError otherwise;
-        under the interpreter too, where Gluon does not run); decode-sized calls keep their
-        decode pieces and tail pieces run as whole tiles.
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
@@ -303,7 +296,6 @@ class Tuning:
     l2_signal: str = "rank"
     l2_flat: bool = False
     l1_one_dot: bool = False
-    l2_ws: bool = False
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
@@ -488,7 +480,7 @@ class Tuning:
                                  f"got {getattr(self, name)!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
-        for name in ("l2_flat", "l1_one_dot", "l2_ws"):
+        for name in ("l2_flat", "l1_one_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
@@ -496,11 +488,6 @@ class Tuning:
         if self.l2_split_m > 1 and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
                              "m-block cannot release its rows' combine flags)")
-        if self.l2_ws and (self.wait or self.l2_signal != "rank" or self.l2_split_m != 1
-                           or self.pdl or self.use_tma is False):
-            raise ValueError("Tuning.l2_ws needs wait=False, l2_signal='rank', l2_split_m=1, "
-                             "pdl=False and use_tma not False (the warp-specialised L2 "
-                             "neither waits nor signals rows, loads by TMA, whole tiles)")
         if type(self.fused_l2_lag) is not int or self.fused_l2_lag not in (0, 1):
             raise ValueError(f"Tuning.fused_l2_lag must be 0 or 1 (waves an L2 ticket follows "
                              f"its L1 by), got {self.fused_l2_lag!r}")
@@ -892,9 +879,6 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     # row pieces inside a block (fp4w_pieces checks the signal); tail pieces keep the tiles
     pieces = (dm and not tail) or w4
     _ensure_allocator(tma)
-    if tuning.l2_ws and not (dm and not tail):
-        _l2_ws(buffer, w2s, tuning, cfg, c)
-        return
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
@@ -915,39 +899,6 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
             buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)
-
-
-def _l2_ws(buffer: SymmBuffer, w2s: Sequence, tuning: Tuning, cfg, c) -> None:
-    """The staged L2 by ``kernels/gemm_ws.l2_ws_kernel`` (``Tuning.l2_ws``)."""
-    bn, bk = tuning.l2_tile(cfg)
-    if INTERPRET:
-        raise ValueError("Tuning.l2_ws runs on Hopper GPUs only (Gluon has no interpreter)")
-    if cfg.dtype != "bf16":
-        raise ValueError(f"Tuning.l2_ws is bf16 only, the config's dtype is {cfg.dtype!r}")
-    if (bn, tuning.l2_warps) not in ((128, 4), (256, 8)):
-        raise ValueError(f"Tuning.l2_ws runs l2_block_n 128 with l2_warps 4 or 256 with 8 (the "
-                         f"accumulator in registers), got {bn} with {tuning.l2_warps}")
-    if cfg.block_m % (16 * tuning.l2_warps):
-        raise ValueError(f"Tuning.l2_ws needs block_m a multiple of 16 * l2_warps (rows of the "
-                         f"warpgroup MMAs), got block_m={cfg.block_m} with {tuning.l2_warps}")
-    if cfg.hidden % bn or cfg.intermediate % bk:
-        raise ValueError(f"Tuning.l2_ws needs hidden % l2_block_n == 0 and intermediate % "
-                         f"l2_block_k == 0, got hidden={cfg.hidden}, intermediate="
-                         f"{cfg.intermediate}, tile {bn}x{bk}")
-    from .kernels.gemm_ws import l2_ws_kernel   # imports Gluon: GPU path only
-    off = c.off
-    args = (buffer.table, buffer.rank0, _weight_tables(buffer, w2s)[0], off["off_block_start"],
-            off["off_block_meta"], off["off_pool_act"], off["off_pool_src"],
-            off["off_combine_y"], off["off_l2_programs"], off["off_l2_ranks_done"],
-            cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank, c.P)
-    # registers: two programs per SM (8 warps each with the loader's warpgroup) at bn 128,
-    # one (12 warps) at 256; the loader's warpgroup keeps 40, the MMA warps get the rest
-    kw = dict(R=c.R, K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, STAGES=tuning.l2_stages,
-              GROUP_M=tuning.l2_group_m, num_warps=tuning.l2_warps,
-              maxnreg=128 if bn == 128 else 168)
-    grid = (_programs(buffer, tuning, tuning.gemm_per_sm, l2_ws_kernel, args, kw),
-            buffer.local_ranks)
-    l2_ws_kernel[grid](*args, **kw)
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:

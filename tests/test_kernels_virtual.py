@@ -295,15 +295,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (0, 3, 8, True, 2.0):
         with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
             stages.Tuning(l2_epilogue_split=bad)
-    for name in ("l2_flat", "l1_one_dot", "l2_ws"):
+    for name in ("l2_flat", "l1_one_dot"):
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             stages.Tuning(**{name: 1})
-    # the warp-specialised L2 neither waits nor signals rows, loads by TMA, whole tiles
-    for changes in ({"wait": True}, {"l2_signal": "rows"}, {"l2_split_m": 2}, {"pdl": True},
-                    {"use_tma": False}):
-        with pytest.raises(ValueError, match="Tuning.l2_ws needs wait=False"):
-            stages.Tuning(**{"l2_ws": True, "wait": False, **changes})
-    stages.Tuning(l2_ws=True, wait=False)   # what it needs
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="pdl must be a bool"):
             stages.Tuning(pdl=bad)
@@ -529,59 +523,6 @@ def test_bad_arguments_name_what_is_wrong(gen):
         "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
-
-
-def ws_config(**kw) -> MoEConfig:
-    """Dims the warp-specialised L2 takes: block_m 128 (rows of 8 MMA warps), hidden a
-    multiple of 256 (its widest tile)."""
-    return small_config(**{**dict(hidden=512, intermediate=256, num_experts=6, top_k=2,
-                                  max_tokens_per_rank=300, block_m=128, block_n=128), **kw})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("Ts, changes", [
-    # the layer's tile (128x128, 3 slots): ~100-200 rows per expert, so every expert ends in
-    # a partly filled m-block (rows past valid_m must not be stored); 3 experts per rank
-    ([300, 150], dict()),
-    # 3 programs walk every tile: the slots' mbarrier phases wrap many times across tiles
-    ([300, 150], dict(programs=3, l2_stages=2)),
-    # tickets in groups of 4 m-blocks (the last group smaller); 3 ranks of 2 experts, one
-    # rank with a single token and one with none (its programs count themselves all the same)
-    ([211, 1, 0], dict(l2_group_m=4, programs=5)),
-    # 128x256 tiles with 8 MMA warps (one program per SM)
-    ([300, 97], dict(l2_block_n=256, l2_warps=8)),
-], ids=["default-tile", "3-programs-2-slots", "groups-3-ranks", "n256-w8"])
-def test_warp_specialised_l2_computes_the_same_layer(gen, Ts, changes):
-    from dataclasses import replace
-    tuning = replace(stages.Tuning.hopper(128), l2_ws=True, **changes)
-    check_tuned_layer(ws_config(), Ts, tuning, gen, "cuda")
-
-
-@pytest.mark.gpu
-def test_warp_specialised_l2_refuses_what_it_does_not_run(gen):
-    from dataclasses import replace
-    ws = replace(stages.Tuning.hopper(128), l2_ws=True)
-    for cfg, tuning, message in [
-        (ws_config(dtype="fp8"), ws, "bf16 only"),
-        (ws_config(), replace(ws, l2_warps=8), "l2_block_n 128 with l2_warps 4"),
-        (ws_config(block_m=64), replace(ws, l2_block_n=256, l2_warps=8), "block_m a multiple"),
-        (ws_config(hidden=384), replace(ws, l2_block_n=256, l2_warps=8), "hidden % l2_block_n"),
-    ]:
-        buf = SymmBuffer(cfg, num_ranks=1, device="cuda")
-        with pytest.raises(ValueError, match=message):
-            stages.l2(buf, [None], tuning=tuning)
-        buf.destroy()
-
-
-def test_warp_specialised_l2_is_refused_under_the_interpreter():
-    # Gluon has no interpreter: asking for it on the CPU says so instead of running the other L2
-    if torch.cuda.is_available():
-        pytest.skip("the CPU (interpreter) case")
-    from dataclasses import replace
-    buf = SymmBuffer(ws_config(), num_ranks=1, device="cpu")
-    tuning = replace(stages.Tuning.hopper(128), l2_ws=True)
-    with pytest.raises(ValueError, match="Hopper GPUs only"):
-        stages.l2(buf, [torch.zeros(3, 512, 256, dtype=torch.bfloat16)], tuning=tuning)
 
 
 def test_l1_groups_where_an_m_block_has_many_column_blocks():
