@@ -461,3 +461,47 @@ def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
                      ("x:fused_per_sm=0", "fused_per_sm must be an int >= 1")]:
         with pytest.raises(ValueError, match=msg):
             mod.parse_variant(bad)
+
+
+def _ab_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_commits.py"
+    spec = importlib.util.spec_from_file_location("ab_commits", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_summary_pairs_the_two_sides() -> None:
+    # benchmarks/ab_commits.py: rows of the four runs (base, new, new, base) -> per point the
+    # median of each side's medians and new / base; a point only one side measured is left out
+    mod = _ab_module()
+    point = dict(shape="qwen3", ranks=2, tokens_per_rank=2048, dtype="bf16",
+                 provider="staged-graph")
+    rows = [{**point, "median_us": t, "code": c} for t, c in
+            ((470.0, "base 9ca2c9d"), (431.0, "new"), (433.0, "new"), (480.0, "base 9ca2c9d"))]
+    rows.append({**point, "provider": "fused-graph", "median_us": 481.0, "code": "new"})
+    (entry,) = mod.summarize(rows)
+    assert entry["provider"] == "staged-graph" and entry["runs"] == (2, 2)
+    assert entry["base_us"] == pytest.approx(475.0) and entry["new_us"] == pytest.approx(432.0)
+    assert entry["new_over_base"] == pytest.approx(432.0 / 475.0)
+    assert "staged-graph" in mod.format_summary([entry]) and "0.909" in mod.format_summary([entry])
+
+
+def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
+    # prepare copies a commit's package (git archive); an unknown commit, a run without the
+    # prepared folder and --out among the bench arguments are ValueErrors naming the fix
+    import subprocess
+    mod = _ab_module()
+    if subprocess.run(["git", "-C", str(mod.ROOT), "rev-parse", "HEAD"],
+                      capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    dest = mod.prepare("HEAD", into=tmp_path)
+    assert (dest / "moestream" / "__init__.py").is_file() and dest == tmp_path / "HEAD"
+    with pytest.raises(ValueError, match="git archive no-such-commit failed"):
+        mod.prepare("no-such-commit", into=tmp_path)
+    with pytest.raises(ValueError, match="run 'ab_commits.py prepare abc'"):
+        mod.run("abc", str(tmp_path / "o.jsonl"), ["--shapes", "qwen3"], 10, into=tmp_path)
+    with pytest.raises(ValueError, match="pass --out to ab_commits.py"):
+        mod.run("HEAD", str(tmp_path / "o.jsonl"), ["--out", "x.jsonl"], 10, into=tmp_path)
