@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / "benchmarks" / ".ab"
 ORDER = ("base", "new", "new", "base")
 KEY = ("shape", "ranks", "tokens_per_rank", "dtype", "provider")
+_WHERE = "import moestream; print(moestream.__file__)"
 
 
 def prepare(commit: str, *, into: Path = AB_DIR) -> Path:
@@ -90,8 +91,8 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
     for i, side in enumerate(ORDER):
         cwd = base if side == "base" else ROOT
         env = {**os.environ, "PYTHONPATH": str(cwd)}
-        where = subprocess.run([sys.executable, "-c", "import moestream; print(moestream.__file__)"],
-                               cwd=cwd, env=env, capture_output=True, text=True, check=True)
+        where = subprocess.run([sys.executable, "-c", _WHERE], cwd=cwd, env=env,
+                               capture_output=True, text=True, check=True)
         print(f"[ab {i} {side}] moestream from {where.stdout.strip()}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
             part = f.name
