@@ -183,13 +183,10 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
                 w = w.to(tl.float32)
             acc = tl.dot(a, w.T, acc)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [ROWS, 2, BN]), (0, 2, 1)))
-        l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST,
-                 False)
     else:
         acc_g, acc_u = l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I, BM, BN, BK,
                               ROWS, UPCAST, USE_TMA, SWAP)
-        l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST,
-                 SWAP)
+    l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST, SWAP)
 
 
 @triton.jit
