@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / "benchmarks" / ".ab"
 ORDER = ("base", "new", "new", "base")
-KEY = ("shape", "ranks", "tokens_per_rank", "dtype", "provider")
+KEY = ("shape", "ranks", "tokens_per_rank", "dtype", "provider", "kernel")   # kernel: GEMM rows
 _WHERE = "import moestream; print(moestream.__file__)"
 
 
@@ -51,12 +51,13 @@ def prepare(commit: str, *, into: Path = AB_DIR) -> Path:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One entry per (shape, ranks, tokens, dtype, provider) that both sides measured: the
-    median over each side's runs of their median times, and new / base."""
+    """One entry per (shape, ranks, tokens, dtype, provider, kernel) that both sides measured
+    (``kernel`` is None in EP rows): the median over each side's runs of their median times,
+    and new / base."""
     sides: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
         side = "base" if str(r["code"]).startswith("base") else "new"
-        sides.setdefault(tuple(r[k] for k in KEY), {"base": [], "new": []})[side].append(
+        sides.setdefault(tuple(r.get(k) for k in KEY), {"base": [], "new": []})[side].append(
             float(r["median_us"]))
     out = []
     for key, got in sides.items():
@@ -72,7 +73,8 @@ def format_summary(entries: list[dict]) -> str:
     lines = [f"{'shape':8s} {'tokens':>6s} {'provider':24s} {'base us':>9s} {'new us':>9s} "
              f"{'new/base':>8s}"]
     for e in entries:
-        lines.append(f"{e['shape']:8s} {e['tokens_per_rank']:6d} {e['provider']:24s} "
+        what = e["provider"] + (f" {e['kernel']}" if e["kernel"] else "")
+        lines.append(f"{e['shape']:8s} {e['tokens_per_rank']:6d} {what:24s} "
                      f"{e['base_us']:9.1f} {e['new_us']:9.1f} {e['new_over_base']:8.3f}")
     return "\n".join(lines)
 

@@ -222,7 +222,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
     label = [""]
     with _compile_only(capability, compiled, label):
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=16)
-        tuning = stages.Tuning.hopper(cfg.block_m)
+        dims = dict(hidden=cfg.hidden, intermediate=cfg.intermediate)
+        tuning = stages.Tuning.hopper(cfg.block_m, **dims)
         tuning = stages.Tuning(**{**tuning.__dict__, "use_tma": True})   # as on H200
         gen = torch.Generator().manual_seed(0)
         for ranks in (1, 2):   # one local rank (the real form's fused path), two (virtual)
@@ -251,6 +252,9 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                                                         l2_tail_rows=32))
                 label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
                 stages.run_staged(*args, tuning=replace(tuning, l1_group_m=8))
+                label[0] = " l2 128"   # hidden not a multiple of 256: the 128x128 L2 tile
+                narrow = stages.Tuning.hopper(cfg.block_m, hidden=128, intermediate=128)
+                stages.run_staged(*args, tuning=replace(narrow, use_tma=True))
                 label[0] = " one dot"   # the L1's gate and up as one MMA (large calls)
                 stages.run_staged(*args, tuning=replace(tuning, l1_one_dot=True))
                 label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
@@ -268,9 +272,12 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         w13s, w2s = _tiny_weights(cfg8, 1)
         y = torch.empty(1, 8, cfg.hidden, dtype=torch.bfloat16)
         args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
-        tuning8 = replace(stages.Tuning.hopper(cfg.block_m, "fp8"), use_tma=True)   # as on H200
+        tuning8 = replace(stages.Tuning.hopper(cfg.block_m, "fp8", **dims), use_tma=True)   # H200
         stages.run_staged(*args, tuning=tuning8)
         stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
+        label[0] = " fp8 short k"   # intermediate < FP8_L2_TILE_MIN_I (qwen3): L2 in pieces
+        short = stages.Tuning.hopper(cfg.block_m, "fp8", hidden=cfg.hidden, intermediate=128)
+        stages.run_staged(*args, tuning=replace(short, use_tma=True))
         label[0] = " fp8 decode"
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = " fp8 fused decode"
@@ -284,7 +291,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")
         w13s, w2s = _tiny_weights(cfg4, 1)
         args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
-        tuning4 = stages.Tuning.hopper(cfg.block_m, "fp4w")
+        tuning4 = stages.Tuning.hopper(cfg.block_m, "fp4w", **dims)
         label[0] = " fp4w"
         stages.run_staged(*args, tuning=tuning4)
         label[0] = " fp4w decode"

@@ -42,9 +42,16 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
 
 
 # Variants of the sweeps recorded in benchmarks/NOTES.md (earlier sweeps there too).
-_BF16 = replace(stages.Tuning.hopper(128), use_tma=True)
-_FP8 = stages.Tuning.hopper(128, "fp8")
+# The layer's defaults at block_m 128 (Tuning.hopper; every benchmark shape's hidden is a
+# multiple of 256, so the bf16 L2 is the 128x256 tile); _BF16_S20: the bf16 L2 of sessions 5-20
+# (128x128, 4 warps, 3 stages, two programs per SM), which the "l2-*" variants vary.
+_BF16 = replace(stages.Tuning.hopper(128, hidden=4096, intermediate=2048), use_tma=True)
+_BF16_S20 = replace(_BF16, l2_block_n=128, l2_warps=4, l2_stages=3)
+# fp8: the L2 in 64-row pieces (the layer's default where intermediate < 2048, qwen3) and
+# _FP8_S5 the 128-row 8-warp tile (the default from 2048 on: dsv3, v4flash, mixtral)
+_FP8 = stages.Tuning.hopper(128, "fp8", hidden=2048, intermediate=768)
 _FP8_S5 = replace(_FP8, l2_split_m=1, l2_warps=8, l2_stages=4, l2_flat=False)
+assert _FP8_S5 == stages.Tuning.hopper(128, "fp8", hidden=4096, intermediate=2048)
 # Tuning.decode looks at the dtype and whether intermediate is a multiple of 64 (all shapes)
 _DIMS_64 = MoEConfig(hidden=128, intermediate=128, num_experts=1, top_k=1, max_tokens_per_rank=1)
 _DIMS_FP8 = replace(_DIMS_64, dtype="fp8")
@@ -55,7 +62,8 @@ def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
 
 
 VARIANTS: dict[str, GemmVariant] = _by_name([
-    GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper(128): L2 128x128 4w3s, flat, 1/4
+    GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper: L2 128x256 8w4s, flat, 1/4
+    GemmVariant("l2n128", 128, _BF16_S20),   # the default of sessions 5-20: L2 128x128 4w3s
     # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
     _v("s4-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
     # ... with 264 programs (2 per SM of an H200), the grid before session 5: L1 (one program
@@ -65,9 +73,9 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
     _v("l2n128w8s4", 128, (128, 64, 8, 4), (128, 64, 8, 4)),
     _v("m64", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
-    GemmVariant("l2-split2", 128, replace(_BF16, l2_epilogue_split=2)),
-    GemmVariant("l2-noflat", 128, replace(_BF16, l2_flat=False)),
-    GemmVariant("l2-split1", 128, replace(_BF16, l2_epilogue_split=1)),
+    GemmVariant("l2-split2", 128, replace(_BF16_S20, l2_epilogue_split=2)),
+    GemmVariant("l2-noflat", 128, replace(_BF16_S20, l2_flat=False)),
+    GemmVariant("l2-split1", 128, replace(_BF16_S20, l2_epilogue_split=1)),
     GemmVariant("l1n64w4s3", 128, replace(_BF16, l1_block_n=64, l1_warps=4, l1_stages=3)),
     # 64-wide L1 blocks at the default's 8 warps / 4 stages (what Tuning.for_call picks when a
     # call's tiles would leave a second round of programs mostly idle; decode)
@@ -122,7 +130,7 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
                                           l2_stages=4), "fp8"),
     GemmVariant("fp8-sm2-flat", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
                                              l2_stages=3, l2_flat=True), "fp8"),
-    GemmVariant("l2-sm2", 128, replace(_BF16, l2_split_m=2)),
+    GemmVariant("l2-sm2", 128, replace(_BF16_S20, l2_split_m=2)),
     GemmVariant("fp8-split1", 128, replace(_FP8_S5, l2_epilogue_split=1), "fp8"),
     GemmVariant("fp8-split4", 128, replace(_FP8_S5, l2_epilogue_split=4), "fp8"),
     GemmVariant("fp8-p264", 128, replace(_FP8_S5, l2_epilogue_split=1, programs=264), "fp8"),
@@ -144,6 +152,10 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # traffic per FLOP than 128x128; sm_90 compile: 255 registers, no spill at 2 ranks)
     GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
     GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
+    # session 21: the same tile stored in two halves (sm_90: 192-221 registers, 224 KB of
+    # shared memory, no spills), re-measured after session 20 made the scatter stores vectors
+    GemmVariant("l2n256-split2", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4,
+                                              l2_epilogue_split=2)),
     # session 19: the L1's gate and up as one 256-wide MMA (a [2, 128, 64] weight tile by a
     # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
     # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring

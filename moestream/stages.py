@@ -90,6 +90,13 @@ def one_dot_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_
                                 num_experts=num_experts) >= 2 * block_m
 
 
+# The staged fp8 L2 computes whole 128-row tiles (8 warps) where the intermediate size (its K)
+# is at least this, else 64-row pieces (4 warps, two programs per SM). Session 21 on one H200,
+# the L2 alone, pieces -> tile, µs: dsv3 dims (I = 2048) 206 -> 185 / 677 -> 598 / 2640 -> 2324
+# at 128 / 512 / 2048 rows per expert; qwen3 dims (I = 768) 32.4 -> 34.9 / 91.7 -> 106 / 327
+# -> 372.
+FP8_L2_TILE_MIN_I = 2048
+
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
 # (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14 on 2x
 # H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 -> 695, qwen3
@@ -119,6 +126,18 @@ def l1_group_m_for(column_blocks: int, sms: int) -> int:
     than 4 m-blocks with n fastest, so that an expert's m-blocks would each stream its w13
     from HBM again (mixtral: 112 column blocks); else 1 (dsv3, v4flash: 16, qwen3: 6)."""
     return 8 if column_blocks * 4 > sms else 1
+
+
+def _tile(gemm: str, bn: int, bk: int, *, n: tuple[str, int], k: tuple[str, int]
+          ) -> tuple[int, int]:
+    """(bn, bk) after checking that each is a power of two dividing its GEMM dimension: the
+    kernels walk whole tiles (a column block past the last whole one would go unwritten)."""
+    for what, v, (dim, size) in (("block_n", bn, n), ("block_k", bk, k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1) \
+                or size % v:
+            raise ValueError(f"Tuning.{gemm}_{what} must be a power of two >= 16 dividing "
+                             f"{dim}={size}, got {v!r}")
+    return bn, bk
 
 
 @dataclass(frozen=True)
@@ -305,17 +324,25 @@ class Tuning:
     fp4w_rows: int = 64
 
     @classmethod
-    def hopper(cls, block_m: int, dtype: str = "bf16") -> "Tuning":
-        """The layer's GPU defaults, the best tiles of benchmarks/NOTES.md on H200, no waits
-        (the staged path's stream order already completes every producer).
-        block_m 128: L1 128x128x64, 8 warps, 4 stages (one program per SM); L2 128x128x64,
-        4 warps, 3 stages, a flat loop and the epilogue in four quarters, so two programs
-        share an SM and one's epilogue overlaps the other's main loop (session 5).
+    def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
+               intermediate: int) -> "Tuning":
+        """The layer's GPU defaults for a config of these dims (``MoEConfig.hidden`` and
+        ``intermediate``), the best tiles of benchmarks/NOTES.md on H200, no waits (the
+        staged path's stream order already completes every producer).
+        block_m 128: L1 128x128x64, 8 warps, 4 stages (one program per SM). L2 128x256x64,
+        8 warps, 4 stages, one program per SM, a flat loop (the next tile's loads overlap this
+        tile's epilogue) and the epilogue in four quarters (session 21, after session 20 made
+        the scatter stores vectors: the L2 alone at 512 / 2048 rows per expert dsv3 774 ->
+        702 / 3112 -> 2646 µs, qwen3 89.8 -> 86.2 / 317 -> 312, equal at 128); where 256 does
+        not divide hidden, the 128x128 tile of sessions 5-20 (4 warps, 3 stages, two programs
+        per SM).
         fp8: 128-wide L1 and L2 blocks (K steps of 128, one scale block each); L1 8 warps,
-        3 stages (session 4); L2 in 64-row pieces with 4 warps, 3 stages and a flat loop, two
-        programs per SM, the epilogue in two halves (session 6: 1-22 % faster than the 8-warp
-        128-row tile, most at qwen3's short K). Smaller fp8 m-blocks keep that 8-warp tile
-        (4 stages; the pieces were measured at block_m 128 only).
+        3 stages (session 4). L2 where intermediate >= ``FP8_L2_TILE_MIN_I``: the 128-row
+        tile, 8 warps, 4 stages, the epilogue in two halves (session 21, dsv3 dims: 10-12 %
+        faster than the pieces at 128-2048 rows per expert); at a shorter K (qwen3: 768) in
+        64-row pieces with 4 warps, 3 stages and a flat loop, two programs per SM (session 6;
+        session 21 at qwen3 dims: 7-14 % faster than the tile). Smaller fp8 m-blocks keep the
+        tile (the pieces were measured at block_m 128 only).
         Dispatch (session 8): tickets of 4 source tokens with eager loads, as the fused
         launch's tasks (sweep F3). Combine with 8 warps (session 14: dsv3 2048 / 8192 tokens
         97 -> 87 / 394 -> 330 µs, qwen3 and mixtral equal)."""
@@ -324,16 +351,17 @@ class Tuning:
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
                        l2_block_n=128, fp4w_rows=min(64, block_m), **copy)
         if dtype == "fp8":
-            if block_m >= 128:
+            if block_m >= 128 and intermediate < FP8_L2_TILE_MIN_I:
                 return cls(l1_warps=8, l1_stages=3, l2_warps=4, l2_stages=3, l1_block_n=128,
                            l2_block_n=128, l2_epilogue_split=2, l2_split_m=2, l2_flat=True,
                            **copy)
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=4, l1_block_n=128,
                        l2_block_n=128, l2_epilogue_split=2, **copy)
         if block_m >= 128:
-            return cls(l1_warps=8, l1_stages=4, l2_warps=4, l2_stages=3, l1_block_n=128,
-                       l1_block_k=64, l2_block_n=128, l2_block_k=64, l2_flat=True,
-                       l2_epilogue_split=4, **copy)
+            l2 = (dict(l2_block_n=256, l2_warps=8, l2_stages=4) if hidden % 256 == 0 else
+                  dict(l2_block_n=128, l2_warps=4, l2_stages=3))
+            return cls(l1_warps=8, l1_stages=4, l1_block_n=128, l1_block_k=64, l2_block_k=64,
+                       l2_flat=True, l2_epilogue_split=4, **l2, **copy)
         return cls(l1_warps=4, l1_stages=4, l2_warps=4, l2_stages=4, l1_block_n=128,
                    l1_block_k=64, l2_block_n=128, l2_block_k=64, **copy)
 
@@ -342,7 +370,9 @@ class Tuning:
         """``hopper`` on GPUs; under the interpreter the config's tiles with waits on."""
         if buffer.device.type != "cuda":
             return cls()
-        return cls.hopper(buffer.config.block_m, buffer.config.dtype)
+        cfg = buffer.config
+        return cls.hopper(cfg.block_m, cfg.dtype, hidden=cfg.hidden,
+                          intermediate=cfg.intermediate)
 
     @classmethod
     def for_call(cls, buffer: SymmBuffer, tokens: int, *, decode: bool = True) -> "Tuning":
@@ -406,8 +436,11 @@ class Tuning:
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
                            dispatch_parts=parts)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
+        # L2 decode pieces 128 wide (two programs per SM): the 256-wide tile of ``hopper``
+        # measured equal in decode (session 21, 3 stages) and at 5 stages would hold an SM alone
+        l2n = 128 if (self.l2_block_n or 0) > 128 else self.l2_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
-                       l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
+                       l2_block_n=l2n, l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
                        dispatch_parts=parts)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
@@ -547,13 +580,16 @@ class Tuning:
                 raise ValueError(f"fp8 needs Tuning.l1_block_n 128 or 256 dividing "
                                  f"intermediate={cfg.intermediate}, got {bn}")
             return bn, FP8_GROUP
-        return self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k
+        return _tile("l1", self.l1_block_n or cfg.block_n, self.l1_block_k or cfg.block_k,
+                     n=("intermediate", cfg.intermediate), k=("hidden", cfg.hidden))
 
     def l2_tile(self, cfg) -> tuple[int, int]:
         """(block_n, block_k) of L2 (fp8 / fp4w: block_k is the scale block, 128)."""
         if cfg.fp8_tokens:
-            return self.l2_block_n or 128, FP8_GROUP
-        return self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k
+            return _tile("l2", self.l2_block_n or 128, FP8_GROUP, n=("hidden", cfg.hidden),
+                         k=("intermediate", cfg.intermediate))
+        return _tile("l2", self.l2_block_n or cfg.block_n, self.l2_block_k or cfg.block_k,
+                     n=("hidden", cfg.hidden), k=("intermediate", cfg.intermediate))
 
     def fp4w_pieces(self, cfg) -> int:
         """Rows per piece of an fp4w block (fp4w_rows, at most block_m; both powers of two, so
@@ -1068,6 +1104,7 @@ def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequenc
     ``granularity``: the streaming mode (``Tuning.with_granularity``)."""
     tuning = fused_tuning(buffer, max(x.shape[0] for x in xs), tuning=tuning,
                           granularity=granularity)
+    tuning.check(buffer.config)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     layout(buffer, tuning=tuning, waves=True)

@@ -487,6 +487,14 @@ def test_ab_summary_pairs_the_two_sides() -> None:
     assert entry["base_us"] == pytest.approx(475.0) and entry["new_us"] == pytest.approx(432.0)
     assert entry["new_over_base"] == pytest.approx(432.0 / 475.0)
     assert "staged-graph" in mod.format_summary([entry]) and "0.909" in mod.format_summary([entry])
+    # GEMM rows (moestream bench --virtual-ranks): the L1 and L2 of one point stay apart
+    gemm = dict(point, provider="ours:layer-default")
+    rows = [{**gemm, "kernel": k, "median_us": t, "code": c} for k, t, c in
+            (("l1", 1481.0, "base x"), ("l2", 776.0, "base x"), ("l1", 1400.0, "new"),
+             ("l2", 780.0, "new"))]
+    l1, l2 = sorted(mod.summarize(rows), key=lambda e: e["kernel"])
+    assert (l1["base_us"], l1["new_us"], l2["base_us"], l2["new_us"]) == (1481, 1400, 776, 780)
+    assert "ours:layer-default l2" in mod.format_summary([l2])
 
 
 def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:

@@ -311,6 +311,46 @@ def test_bad_granularity_names_what_is_allowed(gen):
         stages.Tuning(l2_split_m=2, l2_signal="rows")
 
 
+def test_gemm_tiles_must_divide_their_dimensions(gen):
+    # a column block past the last whole one went unwritten (hidden 384, l2_block_n 256: the
+    # output's last 128 columns were zeros) and a K step past the last whole one read past
+    # the row: both are ValueErrors before the first launch, in either path, and the buffer
+    # is still usable (nothing was published)
+    cfg = small_config(hidden=384, intermediate=384)
+    buf = SymmBuffer(cfg, num_ranks=1, device="cpu")
+    xs, idxs, ws = make_case(cfg, 1, [4], gen, "cpu")
+    w13s, w2s = make_weights(cfg, 1, generator=gen)
+    for bad, msg in ((dict(l1_block_n=256), "l1_block_n must be a power of two >= 16 dividing "
+                                            "intermediate=384, got 256"),
+                     (dict(l1_block_k=256), "l1_block_k .* dividing hidden=384"),
+                     (dict(l2_block_n=256), "l2_block_n .* dividing hidden=384"),
+                     (dict(l2_block_k=256), "l2_block_k .* dividing intermediate=384"),
+                     (dict(l2_block_n=96), "l2_block_n must be a power of two")):
+        for impl in ("staged", "fused"):
+            with pytest.raises(ValueError, match=msg):
+                mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl=impl,
+                                 tuning=stages.Tuning(**bad))
+    with pytest.raises(ValueError, match="l2_block_n .* dividing hidden=384"):
+        stages.Tuning(l2_block_n=256).check(cfg.with_(dtype="fp8"))
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=stages.Tuning(l2_block_n=128))
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+
+
+def test_hopper_tiles_follow_the_dims():
+    # Tuning.hopper (the GPU defaults): the bf16 L2 128x256 where 256 divides hidden, else
+    # the 128x128 tile at two programs per SM; the fp8 L2 as 128-row tiles from
+    # FP8_L2_TILE_MIN_I on, 64-row pieces below (qwen3's K = 768)
+    wide = stages.Tuning.hopper(128, hidden=7168, intermediate=2048)
+    narrow = stages.Tuning.hopper(128, hidden=7296, intermediate=2048)
+    assert (wide.l2_block_n, wide.l2_warps, wide.l2_stages) == (256, 8, 4)
+    assert (narrow.l2_block_n, narrow.l2_warps, narrow.l2_stages) == (128, 4, 3)
+    assert wide.decode(16, MoEConfig.from_shape("dsv3", max_tokens_per_rank=1)).l2_block_n == 128
+    tile = stages.Tuning.hopper(128, "fp8", hidden=7168, intermediate=stages.FP8_L2_TILE_MIN_I)
+    pieces = stages.Tuning.hopper(128, "fp8", hidden=2048, intermediate=768)
+    assert (tile.l2_split_m, tile.l2_warps, pieces.l2_split_m, pieces.l2_warps) == (1, 8, 2, 4)
+    assert stages.Tuning.hopper(64, "fp8", hidden=2048, intermediate=768).l2_split_m == 1
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_consecutive_calls_reuse_buffer(device, gen):
     # epochs, double-buffered inputs and per-call counter resets across calls whose token
@@ -768,7 +808,8 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert stages.dispatch_parts(buf, t) == 7   # 7168-wide rows: 7 chunks of 1024, a ticket each
     assert stages.dispatch_parts(buf, stages.Tuning.for_call(buf, 4096)) == 1
     # fp8 rows: 7168 e4m3 bytes + 56 fp32 scales = 3696 words, 4 chunks of 1024
-    assert stages.Tuning.hopper(128, "fp8").decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
+    t8 = stages.Tuning.hopper(128, "fp8", hidden=cfg.hidden, intermediate=cfg.intermediate)
+    assert t8.decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     f = stages.fused_tuning(buf, 1)

@@ -723,7 +723,8 @@ def test_fused_task_sizes_follow_the_kernel_tuning():
     from moestream import stages
     assert (stages.CHUNK_TILE, stages.EXPERT_CHUNK_TOKENS) == (DISPATCH_TILE, EXPERT_CHUNK_TOKENS)
     qwen = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8192)
-    t = stages.Tuning.hopper(128).for_fused(SimpleNamespace(config=qwen), sms=132)
+    t = stages.Tuning.hopper(128, hidden=qwen.hidden, intermediate=qwen.intermediate)
+    t = t.for_fused(SimpleNamespace(config=qwen), sms=132)
     assert (t.dispatch_tile, t.combine_tile, t.l2_block_n) == (DISPATCH_TILE, COMBINE_TILE, 128)
     # token mode: dispatch_tokens = ceil(R * T / dispatch_programs), for the current default
     # and for the kernel the packaged calibration was traced on (dispatch_programs = 66)
