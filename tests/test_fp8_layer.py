@@ -225,7 +225,9 @@ def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
     stages.Tuning(use_tma=False, l2_block_n=128),                       # pointer loads
     # the fp8 L1 (pointer loads) with its tickets in groups of 2 m-blocks, waits on
     stages.Tuning(use_tma=False, l2_block_n=128, l1_group_m=2),
-], ids=["tma", "tma-l2n64-flat", "pointers", "pointers-l1-group2"])
+    # the GPU default from FP8_L2_TILE_MIN_I on (dsv3): the L2 as whole 128-row tiles, 8 warps
+    stages.Tuning.hopper(128, "fp8", hidden=256, intermediate=stages.FP8_L2_TILE_MIN_I),
+], ids=["tma", "tma-l2n64-flat", "pointers", "pointers-l1-group2", "gpu-default-tile"])
 def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
     # the staged fp8 L2 reads pool_act's byte rows (values, then scales: AB bytes per row)
     # and w2 through TMA descriptors or pointers: the same slots either way; R = 3 with T not

@@ -557,10 +557,13 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(use_tma=True, l1_one_dot=True, wait=False, l1_group_m=3, programs=3),
     # ... asked for with pointer loads: the two-MMA form runs (one dot needs descriptors)
     stages.Tuning(use_tma=False, l1_one_dot=True),
+    # the GPU default (Tuning.hopper): one 256-wide L2 column block of 8 warps, flat loop
+    stages.Tuning.hopper(128, hidden=256, intermediate=128),
 ], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
         "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
         "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8",
-        "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers"])
+        "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers",
+        "gpu-default"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 
