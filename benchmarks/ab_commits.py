@@ -82,7 +82,9 @@ def format_summary(entries: list[dict]) -> str:
 def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
         into: Path = AB_DIR) -> list[dict]:
     """``moestream bench`` with ``bench_args`` four times (ORDER), the base from
-    ``into``/<commit>; the rows (with ``code`` and ``ab_run``) are appended to ``out``."""
+    ``into``/<commit>; each run's rows (with ``code`` and ``ab_run``) are appended to ``out``
+    as soon as it ends. Each run is a fresh process (its own start-up and kernel compiles:
+    about 90 s for two shapes on a fresh H200 machine, session 21)."""
     base = into / commit
     if not (base / "moestream").is_dir():
         raise ValueError(f"{base}/moestream is missing: run 'ab_commits.py prepare {commit}' "
@@ -104,11 +106,12 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
             raise RuntimeError(f"run {i} ({side}) exited with {res.returncode}")
         code = f"base {commit}" if side == "base" else "new"
         with open(part) as f:
-            rows += [{**json.loads(line), "code": code, "ab_run": i} for line in f if line.strip()]
+            got = [{**json.loads(line), "code": code, "ab_run": i} for line in f if line.strip()]
         os.unlink(part)
-    with open(out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        with open(out, "a") as f:   # after each run: a call cut short keeps the runs it finished
+            for r in got:
+                f.write(json.dumps(r) + "\n")
+        rows += got
     return rows
 
 

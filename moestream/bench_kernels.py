@@ -17,7 +17,7 @@ import torch
 from . import stages
 from .bench import result_row, time_cuda
 from .buffer import SymmBuffer
-from .config import MoEConfig, cdiv
+from .config import MoEConfig
 from .testing import make_tokens, quantize_weights
 
 __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "uniform_routing"]
@@ -175,6 +175,21 @@ def uniform_routing(num_tokens: int, num_experts: int, top_k: int, *, first_expe
     return ((t * top_k + k) % num_experts + first_expert).to(torch.int32)
 
 
+def picks_per_token(*, experts: int, rows_per_expert: int, ranks: int, top_k: int) -> int:
+    """The K of the GEMM benchmark's routing: the largest k <= min(top_k, experts) for which
+    every rank's tokens (experts * rows_per_expert / (ranks * k) each) give every expert
+    exactly rows_per_expert rows (v4flash's top-6 over 32 experts at 128 rows each cannot).
+    K shapes only which tokens the rows come from, not the GEMMs' work; 1 always fits.
+    Every rank routes its tokens alike, so rows_per_expert must be a multiple of ranks."""
+    if rows_per_expert % ranks:
+        raise ValueError(f"tokens per expert ({rows_per_expert}) must be a multiple of the "
+                         f"virtual ranks ({ranks}): each rank sends every expert the same rows")
+    for k in range(min(top_k, experts), 0, -1):
+        if experts * rows_per_expert % (ranks * k) == 0:
+            return k
+    raise AssertionError("unreachable: experts is a multiple of ranks")
+
+
 def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
     """Buffer with every virtual rank's pool filled by the dispatch kernel: M tokens for each
     of its E/R experts (sources spread over all ranks)."""
@@ -262,7 +277,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
     dims = SHAPES[shape]
     R = virtual_ranks
     E = experts_per_rank * R
-    H, I, K = dims["hidden"], dims["intermediate"], min(dims["top_k"], E)
+    H, I = dims["hidden"], dims["intermediate"]
     gen = torch.Generator().manual_seed(seed)
     gpu_gen = torch.Generator(device=device).manual_seed(seed)
     # random weights drawn on the GPU (drawing GBs on the host would dominate the run)
@@ -273,7 +288,8 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
     rows: list[dict] = []
     w8 = None   # fp8 copies of the weights, made when an fp8 variant first needs them
     for M in tokens_per_expert:
-        t_max = cdiv(E * M, R * K)
+        K = picks_per_token(experts=E, rows_per_expert=M, ranks=R, top_k=dims["top_k"])
+        t_max = E * M // (R * K)
         weights_cfg = MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K,
                                 max_tokens_per_rank=t_max)
         l1_flops = 2 * E * M * 2 * I * H

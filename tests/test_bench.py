@@ -397,6 +397,29 @@ def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
     assert stats["reps"] == 4
 
 
+def test_gemm_bench_routing_gives_every_expert_exactly_its_rows():
+    # the GEMM bench gives each expert exactly M rows: T = E * M / (R * K) tokens per rank must
+    # be whole. v4flash's top-6 over 32 experts at 128 rows cannot (4096 / 6): K drops to the
+    # largest that fits (4), which changes where rows come from, not the GEMMs (session 21:
+    # an AssertionError in the device run before)
+    from moestream.bench_kernels import picks_per_token, uniform_routing
+    assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=6) == 4
+    assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=8) == 8
+    assert picks_per_token(experts=4, rows_per_expert=3, ranks=1, top_k=8) == 4   # K <= E
+    assert picks_per_token(experts=6, rows_per_expert=2, ranks=2, top_k=4) == 3
+    with pytest.raises(ValueError, match=r"tokens per expert \(7\) must be a multiple of the "
+                                         r"virtual ranks \(2\)"):
+        picks_per_token(experts=64, rows_per_expert=7, ranks=2, top_k=6)
+    for E, M, R, top_k in ((32, 128, 1, 6), (16, 2048, 1, 6), (8, 16, 2, 8), (64, 6, 2, 6)):
+        K = picks_per_token(experts=E, rows_per_expert=M, ranks=R, top_k=top_k)
+        T = E * M // (R * K)
+        assert T * R * K == E * M
+        # every rank routes its T tokens alike (bench_kernels._prepare)
+        rows = sum(torch.bincount(uniform_routing(T, E, K).flatten(), minlength=E)
+                   for _ in range(R))
+        assert rows.tolist() == [M] * E, (E, M, R, K)
+
+
 @pytest.mark.parametrize("shape", ["dsv3", "qwen3"])
 def test_every_gemm_variant_is_a_valid_tuning(shape):
     # the GEMM bench's variants (moestream.bench_kernels) run only on a GPU; their tunings are
