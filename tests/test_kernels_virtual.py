@@ -363,7 +363,8 @@ def test_random_tunings_are_right_or_rejected(gen, dtype):
         assert rejected < 30, "nearly every draw rejected: the draw no longer fits the rules"
         E = rng.choice([2, 3, 4, 6])
         dims = [rng.choice([128, 256, 384]) for _ in range(2)]
-        cfg = MoEConfig(hidden=dims[0], intermediate=dims[1], num_experts=E, top_k=rng.randint(1, min(3, E)), max_tokens_per_rank=24,
+        cfg = MoEConfig(hidden=dims[0], intermediate=dims[1], num_experts=E,
+                        top_k=rng.randint(1, min(3, E)), max_tokens_per_rank=24,
                         block_m=rng.choice([16, 32, 64]), block_n=rng.choice([32, 64, 128]),
                         block_k=rng.choice([32, 64]), dtype=dtype)
         R = rng.choice([1, 2]) if E % 2 == 0 else 1
