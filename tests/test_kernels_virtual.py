@@ -311,15 +311,16 @@ def test_bad_granularity_names_what_is_allowed(gen):
         stages.Tuning(l2_split_m=2, l2_signal="rows")
 
 
-def test_gemm_tiles_must_divide_their_dimensions(gen):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_gemm_tiles_must_divide_their_dimensions(device, gen):
     # a column block past the last whole one went unwritten (hidden 384, l2_block_n 256: the
     # output's last 128 columns were zeros) and a K step past the last whole one read past
     # the row: both are ValueErrors before the first launch, in either path, and the buffer
     # is still usable (nothing was published)
     cfg = small_config(hidden=384, intermediate=384)
-    buf = SymmBuffer(cfg, num_ranks=1, device="cpu")
-    xs, idxs, ws = make_case(cfg, 1, [4], gen, "cpu")
-    w13s, w2s = make_weights(cfg, 1, generator=gen)
+    buf = SymmBuffer(cfg, num_ranks=1, device=device)
+    xs, idxs, ws = make_case(cfg, 1, [4], gen, device)
+    w13s, w2s = make_weights(cfg, 1, generator=gen, device=device)
     for bad, msg in ((dict(l1_block_n=256), "l1_block_n must be a power of two >= 16 dividing "
                                             "intermediate=384, got 256"),
                      (dict(l1_block_k=256), "l1_block_k .* dividing hidden=384"),
@@ -347,8 +348,9 @@ _RANDOM_TUNING = dict(
     l2_tail_rows=[0, 16, 32])
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_random_tunings_are_right_or_rejected(gen, dtype):
+def test_random_tunings_are_right_or_rejected(device, gen, dtype):
     # a tuning that a user may pass is either rejected with a ValueError before anything runs
     # or gives the right layer (session 21 found a 256-wide L2 on hidden 384 that silently
     # left columns unwritten): random configs (H, I up to 384, 2-6 experts, block_m 16-64),
@@ -377,23 +379,26 @@ def test_random_tunings_are_right_or_rejected(gen, dtype):
             rejected += 1
             continue
         Ts = [rng.randint(0, 24) for _ in range(R)]
-        xs, idxs, ws = make_case(cfg, R, Ts, gen, "cpu", drop=0.1)
+        xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
         w13s, w2s = make_weights(cfg, R, generator=gen)
         if dtype == "fp8":
             w13s, w2s = quantize_weights(w13s, w2s, fmt="fp8")
-        buf = SymmBuffer(cfg, num_ranks=R, device="cpu")
+        refs = moe_forward_ranks([x.cpu() for x in xs], [i.cpu() for i in idxs],
+                                 [w.cpu() for w in ws], w13s, w2s, quant=dtype,
+                                 compute_dtype=torch.float64)
+        to = (lambda w: tuple(t.to(device) for t in w) if isinstance(w, tuple) else w.to(device))
+        w13s, w2s = [to(w) for w in w13s], [to(w) for w in w2s]
+        buf = SymmBuffer(cfg, num_ranks=R, device=device)
         try:
             ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning, impl=impl)
         except ValueError:
             rejected += 1
             continue
         ran += 1
-        refs = moe_forward_ranks(xs, idxs, ws, w13s, w2s, quant=dtype,
-                                 compute_dtype=torch.float64)
         for r, (y, ref) in enumerate(zip(ys, refs)):
             assert not torch.isnan(y).any(), f"{label}: rank {r} rows left unwritten"
             if ref.norm() > 0:
-                assert rel_error(y, ref) < TOLERANCE[dtype], f"{label}: rank {r}"
+                assert rel_error(y.cpu(), ref) < TOLERANCE[dtype], f"{label}: rank {r}"
 
 
 def test_hopper_tiles_follow_the_dims():
