@@ -258,6 +258,35 @@ def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> 
     return rel_error(deq("pool_act", I), ref)
 
 
+def l2_error(buf: SymmBuffer, cfg: MoEConfig, w2, *, rank: int = 0) -> float:
+    """The L2 output of local rank ``rank``'s experts against fp32 math on the L1 output it
+    read: each valid pool row p of expert e (``pool_act``, dequantized in fp8) times w2[e]^T
+    (``w2`` [E/R, H, I] bf16, or the fp8 (values, scale_inv) pair), compared with the combine
+    slot the row was written to (``pool_src``: source rank * T_MAX * K + token * K + k, on the
+    source rank's buffer). Any routing; ``buf`` virtual (every rank local). A row the L2 did
+    not write, or wrote to the wrong slot, shows up as a large error."""
+    from .quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    from .testing import rel_error
+    H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
+    slots = cfg.max_tokens_per_rank * cfg.top_k
+    counts = buf.view("expert_count", rank).tolist()
+    bs = buf.view("block_start", rank).tolist()
+    per_expert = [torch.arange(bs[e] * BM, bs[e] * BM + n, device=buf.device)
+                  for e, n in enumerate(counts)]
+    act = buf.view("pool_act", rank)
+    if cfg.fp8_tokens:
+        act = dequantize_act_fp8(act[:, :I].contiguous().view(torch.float8_e4m3fn),
+                                 act[:, I:I + 4 * (I // 128)].contiguous().view(torch.float32))
+        w2 = dequantize_weight_fp8_blocks(*w2)
+    ref = torch.cat([act[rows].float() @ w2[e].float().T for e, rows in enumerate(per_expert)])
+    src = buf.view("pool_src", rank)[torch.cat(per_expert)].long()
+    out = torch.empty_like(ref)
+    for r in src.div(slots, rounding_mode="floor").unique().tolist():
+        mine = src // slots == r
+        out[mine] = buf.view("combine_y", r).view(-1, H)[src[mine] % slots].float()
+    return rel_error(out, ref)
+
+
 def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank: int = 32,
                virtual_ranks: int = 1, variants: Iterable[str] | None = None,
                warmup: int = 5, reps: int = 20, seed: int = 0, progress=None,
@@ -309,10 +338,11 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                 err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
                 l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=v.tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
+                err2 = l2_error(buf, cfg, w8[1][0])
                 for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
                                                ("l2", l2, l2_flops, l2_bytes // 2)):
                     rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
-                                     dtype="fp8", l1_rel_error=err))
+                                     dtype="fp8", l1_rel_error=err, l2_rel_error=err2))
                 buf.destroy()
                 if progress:
                     progress()
@@ -329,9 +359,10 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
             l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps,
                            queue_ahead=True)
+            err2 = l2_error(buf, cfg, w2s[0])
             for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):
                 rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
-                                 l1_rel_error=err))
+                                 l1_rel_error=err, l2_rel_error=err2))
             buf.destroy()   # before the next variant allocates its own
             if progress:
                 progress()

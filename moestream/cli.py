@@ -260,7 +260,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    reps=args.reps, progress=lambda: prog.advance(task))
         out = out or "benchmarks/results/gemm_h200.jsonl"
         cols = ["shape", "kernel", "tokens_per_expert", "provider", "median_us",
-                "tflops_per_gpu", "weight_tbps", "efficiency", "l1_rel_error"]
+                "tflops_per_gpu", "weight_tbps", "efficiency", "l1_rel_error",
+                "l2_rel_error"]
     else:
         from .bench_ep import parse_tuning, run_ep_bench
         try:

@@ -420,6 +420,37 @@ def test_gemm_bench_routing_gives_every_expert_exactly_its_rows():
         assert rows.tolist() == [M] * E, (E, M, R, K)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
+    # bench_kernels.l2_error (the GEMM bench's l2_rel_error): after a staged call on two
+    # virtual ranks (random routing, ragged expert counts), each valid pool row's L2 output
+    # is found in its source rank's combine slot and matches fp32 math on the L1 output; a
+    # slot overwritten (a misplaced or missing row) is caught
+    from moestream import stages
+    from moestream.bench_kernels import l2_error
+    from moestream.buffer import SymmBuffer
+    from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights,
+                                   quantize_weights)
+    cfg = MoEConfig(hidden=256, intermediate=128, num_experts=4, top_k=2,
+                    max_tokens_per_rank=12, block_m=16, block_n=64, block_k=64, dtype=dtype)
+    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+    w13s, w2s = make_weights(cfg, 2, generator=gen)
+    if dtype == "fp8":
+        w13s, w2s = quantize_weights(w13s, w2s, fmt="fp8")
+    xs = [make_tokens(T, cfg.hidden, generator=gen) for T in (11, 7)]
+    rts = [make_routing(x.shape[0], cfg.num_experts, cfg.top_k, generator=gen) for x in xs]
+    y = torch.empty(2, 11, cfg.hidden, dtype=torch.bfloat16)
+    stages.run_staged(buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
+    assert l2_error(buf, cfg, w2s[0]) < TOLERANCE[dtype]
+    assert l2_error(buf, cfg, w2s[1], rank=1) < TOLERANCE[dtype]
+    e = next(e for e, n in enumerate(buf.view("expert_count", 0).tolist()) if n)
+    row = int(buf.view("block_start", 0)[e]) * cfg.block_m   # its first pool row
+    src = int(buf.view("pool_src", 0)[row])
+    slots = cfg.max_tokens_per_rank * cfg.top_k
+    buf.view("combine_y", src // slots).view(-1, cfg.hidden)[src % slots] = 0
+    assert l2_error(buf, cfg, w2s[0]) > 0.1
+
+
 @pytest.mark.parametrize("shape", ["dsv3", "qwen3"])
 def test_every_gemm_variant_is_a_valid_tuning(shape):
     # the GEMM bench's variants (moestream.bench_kernels) run only on a GPU; their tunings are
