@@ -20,7 +20,8 @@ from .buffer import SymmBuffer
 from .config import MoEConfig
 from .testing import make_tokens, quantize_weights
 
-__all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token", "uniform_routing"]
+__all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token",
+           "uniform_routing"]
 
 
 @dataclass(frozen=True)
