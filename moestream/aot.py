@@ -55,8 +55,9 @@ class _CompileOnlyDriver:
 def _sass_facts(cubin: bytes) -> dict:
     """Registers, stack and MMA counts from the bundled cuobjdump: HGMMA (bf16/fp16 warpgroup
     MMAs), HMMA (warp MMAs), QGMMA (fp8 warpgroup MMAs, e.g. QGMMA.64x128x32.F32.E4M3.E4M3;
-    e4m3_gmma: those on e4m3 x e4m3) and CALLs (e.g. the slow path of correctly rounded
-    divisions)."""
+    e4m3_gmma: those on e4m3 x e4m3), CALLs (e.g. the slow path of correctly rounded
+    divisions) and tensormap_fences (UTMACCTL: a tensor descriptor built in the kernel, made
+    visible to the TMA unit)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -76,7 +77,8 @@ def _sass_facts(cubin: bytes) -> dict:
                 hmma=len(re.findall(r"\bHMMA\b", sass)),
                 qgmma=len(re.findall(r"\bQGMMA\b", sass)),
                 e4m3_gmma=len(re.findall(r"\b[HQ]GMMA\.\S*E4M3\.E4M3\b", sass)),
-                calls=len(re.findall(r"\bCALL\b", sass)))
+                calls=len(re.findall(r"\bCALL\b", sass)),
+                tensormap_fences=len(re.findall(r"\bUTMACCTL\b", sass)))
 
 
 _SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -260,6 +262,13 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
                 stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
                                                        fused_l2_lag=0))
+                # the staged GEMMs as a CUDA graph capture launches them: the descriptors
+                # built on the host (Tuning.host_descriptors), whole tiles and decode pieces
+                label[0] = " host"
+                stages.run_staged(*args, tuning=replace(tuning, host_descriptors=True))
+                label[0] = " decode host"
+                stages.run_staged(*args, tuning=replace(tuning.decode(16, cfg),
+                                                        host_descriptors=True))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = " fused decode"   # ... and stages.fused_default for the fused launch
@@ -284,6 +293,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_fused(*args, tuning=tuning8.decode(16, cfg8).for_fused(buf, sms=132))
         label[0] = " fp8 tail"
         stages.run_staged(*args, tuning=replace(tuning8, l1_tail_rows=32, l2_tail_rows=32))
+        label[0] = " fp8 decode host"
+        stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), host_descriptors=True))
         label[0] = " fp8 grouped"
         stages.run_staged(*args, tuning=replace(tuning8, l1_group_m=8))
         # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces

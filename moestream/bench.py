@@ -94,7 +94,10 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
             it; end-to-end ones leave it off, since users pay the host time.
 
     Returns:
-        dict with median_us, p20_us, p80_us, reps, clock ("cuda_events" or "perf_counter").
+        dict with median_us, p20_us, p80_us, reps, clock ("cuda_events" or "perf_counter"),
+        host_us (the host's mean time per timed call: with CUDA, what enqueuing a call with
+        its two events takes, measured apart from the GPU time when queue_ahead holds the
+        stream).
     """
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
@@ -117,10 +120,12 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
         torch.cuda.synchronize()
         if queue_ahead:
             torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        t0 = time.perf_counter()
         for i in range(reps):
             starts[i].record()
             call(warmup + i)
             ends[i].record()
+        host_us = (time.perf_counter() - t0) * 1e6 / reps
         torch.cuda.synchronize()
         times_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
         clock = "cuda_events"
@@ -130,10 +135,11 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
             t0 = time.perf_counter()
             call(warmup + i)
             times_us.append((time.perf_counter() - t0) * 1e6)
+        host_us = statistics.fmean(times_us)
         clock = "perf_counter"
     times_us.sort()
     return dict(median_us=statistics.median(times_us), p20_us=_percentile(times_us, 0.2),
-                p80_us=_percentile(times_us, 0.8), reps=reps, clock=clock)
+                p80_us=_percentile(times_us, 0.8), reps=reps, clock=clock, host_us=host_us)
 
 
 def slowest(stats: dict[str, Any], *, group: Any = None) -> dict[str, Any]:

@@ -46,13 +46,18 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
 # The layer's defaults at block_m 128 (Tuning.hopper; every benchmark shape's hidden is a
 # multiple of 256, so the bf16 L2 is the 128x256 tile); _BF16_S20: the bf16 L2 of sessions 5-20
 # (128x128, 4 warps, 3 stages, two programs per SM), which the "l2-*" variants vary.
-_BF16 = replace(stages.Tuning.hopper(128, hidden=4096, intermediate=2048), use_tma=True)
+# The GEMMs run eagerly here, but are timed as the layer runs them in a CUDA graph: with the
+# descriptors built on the host (Tuning.host_descriptors; "*-devdesc": built in the kernel)
+_BF16 = replace(stages.Tuning.hopper(128, hidden=4096, intermediate=2048), use_tma=True,
+                host_descriptors=True)
 _BF16_S20 = replace(_BF16, l2_block_n=128, l2_warps=4, l2_stages=3)
 # fp8: the L2 in 64-row pieces (the layer's default where intermediate < 2048, qwen3) and
 # _FP8_S5 the 128-row 8-warp tile (the default from 2048 on: dsv3, v4flash, mixtral)
-_FP8 = stages.Tuning.hopper(128, "fp8", hidden=2048, intermediate=768)
+_FP8 = replace(stages.Tuning.hopper(128, "fp8", hidden=2048, intermediate=768),
+               host_descriptors=True)
 _FP8_S5 = replace(_FP8, l2_split_m=1, l2_warps=8, l2_stages=4, l2_flat=False)
-assert _FP8_S5 == stages.Tuning.hopper(128, "fp8", hidden=4096, intermediate=2048)
+assert _FP8_S5 == replace(stages.Tuning.hopper(128, "fp8", hidden=4096, intermediate=2048),
+                          host_descriptors=True)
 # Tuning.decode looks at the dtype and whether intermediate is a multiple of 64 (all shapes)
 _DIMS_64 = MoEConfig(hidden=128, intermediate=128, num_experts=1, top_k=1, max_tokens_per_rank=1)
 _DIMS_FP8 = replace(_DIMS_64, dtype="fp8")
@@ -161,6 +166,16 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
     # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
+    # session 22: the tensor descriptors built in every program (the form before
+    # Tuning.host_descriptors, and the eager layer's; two local ranks and the fused launch
+    # still build them there)
+    GemmVariant("layer-default-devdesc", 128, replace(_BF16, host_descriptors=False)),
+    GemmVariant("dec16-devdesc", 128, replace(_BF16.decode(16, _DIMS_64),
+                                              host_descriptors=False)),
+    GemmVariant("fp8-devdesc", 128, replace(_FP8, use_tma=True, host_descriptors=False),
+                "fp8"),
+    GemmVariant("fp8-dec16-devdesc", 128, replace(replace(_FP8, use_tma=True).decode(
+        16, _DIMS_FP8), host_descriptors=False), "fp8"),
     # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
     # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
     # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)
@@ -218,7 +233,8 @@ def _row(shape, R, M, E, provider, kernel, t, flops, byts, dtype="bf16", **extra
                 byts / (DEFAULT_CALIB["weights_tbps"] * 1e6))
     return result_row(shape=shape, ranks=R, tokens_per_rank=M, dtype=dtype, provider=provider,
                       kernel=kernel, tokens_per_expert=M, experts=E, median_us=us,
-                      p20_us=t["p20_us"], p80_us=t["p80_us"], tflops_per_gpu=flops / us / 1e6,
+                      p20_us=t["p20_us"], p80_us=t["p80_us"], host_us=t.get("host_us"),
+                      tflops_per_gpu=flops / us / 1e6,
                       weight_tbps=byts / us / 1e6, link_gbps=None, floor_us=floor, **extra)
 
 

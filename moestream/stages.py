@@ -276,6 +276,16 @@ class Tuning:
         16-row pieces run as fp16 warp MMAs (exact; ``decode`` picks them for decode-sized
         calls), 64-row pieces as fp8 warpgroup MMAs (``hopper``'s default). Pieces smaller
         than block_m need l2_signal "rank"; the L2 runs its plain loop.
+    host_descriptors: where the staged L1 / L2 load by descriptor (use_tma) and the buffer
+        has one local rank (every real rank; one virtual rank), the host builds the
+        descriptors (``host_descriptors``) and passes them as kernel parameters, instead of
+        every program writing each one to global memory and fencing it before its first
+        load (three round trips in a row ahead of a decode L2's first weight load; sm_90
+        SASS, benchmarks/NOTES.md, session 21). The GPU saves ~1.5 µs per launch (session
+        22: qwen3 decode L2 33.1 -> 31.6 µs), the host pays ~15-40 µs more per launch
+        (Triton encodes each descriptor at every launch), so None (the default) builds them
+        only while a CUDA graph is being captured, whose replays pay nothing for them;
+        True: always, False: never. The fused launch builds its own.
     """
 
     programs: int = 0
@@ -322,6 +332,7 @@ class Tuning:
     l1_tail_rows: int = 0
     l2_tail_rows: int = 0
     fp4w_rows: int = 64
+    host_descriptors: bool | None = None
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
@@ -513,6 +524,9 @@ class Tuning:
                                  f"got {getattr(self, name)!r}")
         if self.l2_signal not in ("rank", "rows"):
             raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
+        if self.host_descriptors is not None and type(self.host_descriptors) is not bool:
+            raise ValueError(f"Tuning.host_descriptors must be None (while capturing a CUDA "
+                             f"graph), True or False, got {self.host_descriptors!r}")
         for name in ("l2_flat", "l1_one_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
@@ -869,6 +883,51 @@ def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torc
     return tab, tab
 
 
+def _capturing(buffer: SymmBuffer) -> bool:
+    """Whether the launches on ``buffer``'s device are being captured into a CUDA graph."""
+    return buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def host_descriptors(buffer: SymmBuffer, tuning: Tuning, tma: bool, *, region: str,
+                     cols: int, w: torch.Tensor, w_shape: tuple, a_rows: tuple,
+                     block_n: int, block_k: int) -> tuple[tuple, dict]:
+    """The tensor descriptors a staged GEMM kernel would build in every program, built on
+    the host where it may take them (``Tuning.host_descriptors``: True, or None while a CUDA
+    graph is being captured; ``tma``; one local rank):
+    ``((ad0, ad1, wd), {"HOST_DESC": True})``, else ``((None, None, None), {})``.
+
+    A: the pool ``region`` (``pool_x`` / ``pool_act``: [P, cols] bf16, or the fp8 layer's byte
+    rows read as e4m3) in tiles of ``a_rows[i]`` rows (one entry for whole tiles, two for
+    decode pieces), ``block_k`` columns. Weights: ``w`` (bf16, or fp8 values) seen as
+    ``w_shape`` in tiles of ``block_n`` x ``block_k`` (a leading 2 where w_shape is 3-D: the
+    L1's gate and up rows as one tile)."""
+    on = tuning.host_descriptors
+    if on is None:
+        on = _capturing(buffer)
+    if not (tma and on and buffer.local_ranks == 1):
+        return (None, None, None), {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    a = buffer.view(region, 0)
+    if buffer.config.fp8_tokens:
+        a = a.view(torch.float8_e4m3fn)   # the byte rows: values first, scales after them
+    a_descs = [TensorDescriptor(a, [a.shape[0], cols], [a.stride(0), 1], [rows, block_k])
+               for rows in a_rows]
+    w_v = w.view(w_shape)   # a view: the kernel reads w itself (the layer checks contiguity)
+    w_desc = TensorDescriptor.from_tensor(
+        w_v, ([2] if len(w_shape) == 3 else []) + [block_n, block_k])
+    return (a_descs[0], a_descs[-1] if len(a_rows) > 1 else None, w_desc), {"HOST_DESC": True}
+
+
+def _a_rows(cfg, tile_rows: int, dm: int, second: int) -> tuple:
+    """Rows of the A tiles a staged GEMM loads (``host_descriptors``' a_rows): whole tiles
+    of ``tile_rows``, or in decode pieces (dm > 0; ``kernels/gemm.decode_descriptors``) dm
+    rows and the wide piece: ``second`` rows for tail pieces, else DECODE_WIDE or block_m if
+    smaller."""
+    if not dm:
+        return (tile_rows,)
+    return (dm, second if second else min(32, cfg.block_m))
+
+
 def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     """w13s: per local rank, w13 [E/R, 2I, H] bf16, or in fp8 mode (values, scale_inv), in
     fp4w mode (packed, scales)."""
@@ -884,16 +943,23 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     # in decode and tail pieces, whose accumulators are small; fp4w: pointer loads
     tma = tuning.tma(buffer) and (not fp8 or dm > 0) and not w4
     _ensure_allocator(tma)
+    whole = not fp8 and not dm and not w4   # bf16 whole tiles
+    one_dot = tuning.l1_one_dot and tma and whole
+    E_LOC, H, I = c.E_LOC, cfg.hidden, cfg.intermediate
+    descs, host_kw = host_descriptors(
+        buffer, tuning, tma, region="pool_x", cols=H, w=w13s[0][0] if fp8 else w13s[0],
+        w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
+        a_rows=_a_rows(cfg, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
+        block_k=bk)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-            off["off_pool_act"], cfg.hidden, cfg.intermediate, c.E_LOC, c.P, cfg.token_bytes,
-            cfg.act_bytes, dispatch_parts(buffer, tuning))
-    whole = not fp8 and not dm and not w4   # bf16 whole tiles
+            off["off_pool_act"], H, I, E_LOC, c.P, cfg.token_bytes,
+            cfg.act_bytes, dispatch_parts(buffer, tuning), *descs)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
-              GROUP_M=tuning.l1_group_m, ONE_DOT=tuning.l1_one_dot and tma and whole,
+              GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, **host_kw,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -914,22 +980,29 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     dm = 0 if w4 else (tuning.decode_pieces(cfg) or tail)
     # row pieces inside a block (fp4w_pieces checks the signal); tail pieces keep the tiles
     pieces = (dm and not tail) or w4
+    split_m = 1 if pieces else tuning.l2_split_m
     _ensure_allocator(tma)
+    E_LOC, H, I = c.E_LOC, cfg.hidden, cfg.intermediate
+    bmt = cfg.block_m // split_m
+    descs, host_kw = host_descriptors(
+        buffer, tuning, tma, region="pool_act", cols=I, w=w2s[0][0] if fp8 else w2s[0],
+        w_shape=(E_LOC * H, I), a_rows=_a_rows(cfg, bmt, dm, bmt if tail else 0),
+        block_n=bn, block_k=bk)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
             off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
             off["off_l2_ranks_done"],
-            cfg.hidden, cfg.intermediate, c.E_LOC, cfg.max_tokens_per_rank,
-            cfg.intermediate // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes)
+            H, I, E_LOC, cfg.max_tokens_per_rank,
+            I // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes, *descs)
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
               FLAT=(tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
                     and not pieces),
-              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=1 if pieces else tuning.l2_split_m,
-              DM=dm, W4=w4, TAIL=tail > 0,
+              EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
+              DM=dm, W4=w4, TAIL=tail > 0, **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),

@@ -33,7 +33,7 @@ def compiled(compiled_rows) -> dict[str, dict]:
     """The bf16 layer's kernels by name (its GPU defaults and fused variants)."""
     return {r["name"]: r for r in compiled_rows
             if not r["kernel"].endswith((" fp8", " pdl", " decode", " fp4w", " tail", " l2 128",
-                                         " fp8 short k"))}
+                                         " fp8 short k", " host"))}
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,23 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
         assert mma > 0 and row["hmma"] == 0 and row["stack_bytes"] == 0, row
         assert resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
                                warps=row["num_warps"]) == fit, row
+
+
+def test_host_descriptors_leave_no_descriptor_to_build(compiled_rows):
+    # Tuning.host_descriptors (a CUDA graph capture): the staged GEMMs take their descriptors
+    # as kernel parameters, so their SASS makes none visible to the TMA unit (UTMACCTL)
+    # where the same GEMMs building them in the kernel do; same MMAs, no spill
+    by_label = {(r["name"], r["kernel"].split(" ", 1)[1] if " " in r["kernel"] else ""): r
+                for r in compiled_rows if r["name"] in ("l1_kernel", "l2_kernel")}
+    pairs = [("host", ""), ("decode host", "decode"),
+             ("fp8 decode host", "fp8 decode")]
+    for name in ("l1_kernel", "l2_kernel"):
+        for host, built in pairs:
+            h = by_label[name, host]
+            b = by_label[name, built]
+            assert h["tensormap_fences"] == 0 < b["tensormap_fences"], (h, b)
+            assert h["stack_bytes"] == 0 and (h["hgmma"], h["e4m3_gmma"]) == (
+                b["hgmma"], b["e4m3_gmma"]), (h, b)
 
 
 def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_fp8):

@@ -429,11 +429,12 @@ def l1_kernel(
     off_pool_x, off_pool_weight, off_pool_act,
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
+    ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
-    GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -449,9 +450,13 @@ def l1_kernel(
     at once cover about one m-block, so every m-block streams its expert's whole w13 from
     HBM again; grouped, the m-blocks of a group share each weight tile while it is cached.
     ONE_DOT (bf16 whole tiles by descriptor): gate and up as one MMA of 2 * BN columns per K
-    step (``l1_rows``)."""
+    step (``l1_rows``).
+    HOST_DESC (with USE_TMA, one local rank): ``ad0`` (and for decode pieces ``ad1``) and
+    ``wd`` are the descriptors this kernel would build (``stages.host_descriptors``), passed
+    as kernel parameters: no descriptor is written and fenced in global memory first."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
+    tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
@@ -462,23 +467,28 @@ def l1_kernel(
     pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
     pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
-    a_desc = 0
-    w_desc = 0
-    if DM > 0 and not USE_TMA:
-        a_desc = (0, 0)      # the decode blocks index a pair
-    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
-        a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
-                                                E_LOC * 2 * I, BM, BN, BK, DM,
-                                                BM if TAIL else 0, FP8)
-    elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
-        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
+    # the block count and the first block's meta before the descriptors: their loads are in
+    # flight while each descriptor is written and fenced (a round trip each)
     NB = I // BN
     num_m = tl.load(block_start + E_LOC)
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
-    meta = tl.load(block_meta + l1_tile_of(ticket, num_m, NB, GROUP_M)[0], mask=ticket < total,
-                   other=0)
+    mb0 = l1_tile_of(ticket, num_m, NB, GROUP_M)[0]
+    meta = tl.load(block_meta + mb0, mask=mb0 < P // BM, other=0)   # not waiting for num_m
+    a_desc = 0
+    w_desc = 0
+    if DM > 0 and not USE_TMA:
+        a_desc = (0, 0)      # the decode blocks index a pair
+    if HOST_DESC:
+        a_desc = (ad0, ad1) if DM > 0 else ad0
+        w_desc = wd
+    elif USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BM-row) A descriptors
+        a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_x, pool_x, P, H, XB, w13,
+                                                E_LOC * 2 * I, BM, BN, BK, DM,
+                                                BM if TAIL else 0, FP8)
+    elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
+        a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
     while (ticket < total) & ok:
         mb, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
         meta_next = tl.load(block_meta + l1_tile_of(ticket + nprog, num_m, NB, GROUP_M)[0],
@@ -727,14 +737,16 @@ def l2_kernel(
     H, I, E_LOC, T_MAX, NB1, P,
     R: tl.constexpr,           # ranks: the combine-slot stores unroll over them
     AB,                        # FP8: bytes per pool_act row
+    ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False,
 ):
-    """FP8, W4: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
+    """FP8, W4, HOST_DESC: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
     their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
@@ -748,6 +760,7 @@ def l2_kernel(
                      "decode pieces: rank signal")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
+    tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
@@ -757,12 +770,24 @@ def l2_kernel(
     l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    # the block count and the first block's meta before the descriptors (as in l1_kernel)
+    NB = H // BN
+    num_m = tl.load(block_start + E_LOC) * SPLIT_M   # row pieces (m-blocks when SPLIT_M = 1)
+    total = num_m * NB
+    ticket = pid
+    ok = pid >= 0
+    pm, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
+    meta = tl.load(block_meta + pm // SPLIT_M, mask=(pm // SPLIT_M < P // BM) & (not FLAT),
+                   other=0)   # within the region, not waiting for num_m
     a_desc = 0
     w_desc = 0
     BMT: tl.constexpr = BM // SPLIT_M
     if DM > 0 and not USE_TMA:
         a_desc = (0, 0)      # the decode blocks index a pair
-    if USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BMT-row) A descriptors
+    if HOST_DESC:
+        a_desc = (ad0, ad1) if DM > 0 else ad0
+        w_desc = wd
+    elif USE_TMA and DM > 0:   # decode pieces: (DM-row, WIDE-row or TAIL: BMT-row) A descriptors
         a_desc, w_desc = pool_piece_descriptors(table, rank, off_pool_act, pool_act, P, I, AB, w2,
                                                 E_LOC * H, BM, BN, BK, DM,
                                                 BMT if TAIL else 0, FP8)
@@ -773,11 +798,6 @@ def l2_kernel(
                 E_LOC * H, BMT, BN, BK)
         else:
             a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
-    NB = H // BN
-    num_m = tl.load(block_start + E_LOC) * SPLIT_M   # row pieces (m-blocks when SPLIT_M = 1)
-    total = num_m * NB
-    ticket = pid
-    ok = pid >= 0
     if FLAT:
         # no waits: one flat loop over (tile, k step), which Triton's pipeliner can prefetch
         # across tiles (the next tile's first loads overlap this tile's epilogue)
@@ -789,9 +809,7 @@ def l2_kernel(
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
                             pm % SPLIT_M, SPLIT_M, DM, W4, TAIL)
-        ticket = total
-    pm, nb = grouped_tile(ticket, num_m, NB, GROUP_M)
-    meta = tl.load(block_meta + pm // SPLIT_M, mask=ticket < total, other=0)
+        ticket = total   # the loop below has nothing left
     while (ticket < total) & ok:
         pm_next, nb_next = grouped_tile(ticket + nprog, num_m, NB, GROUP_M)
         meta_next = tl.load(block_meta + pm_next // SPLIT_M, mask=ticket + nprog < total,
