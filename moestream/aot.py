@@ -269,6 +269,12 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " decode host"
                 stages.run_staged(*args, tuning=replace(tuning.decode(16, cfg),
                                                         host_descriptors=True))
+                label[0] = " fused host"
+                stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
+                                                       host_descriptors=True))
+                label[0] = " fused decode host"
+                stages.run_fused(*args, tuning=replace(
+                    tuning.decode(16, cfg).for_fused(buf, sms=132), host_descriptors=True))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
             stages.run_staged(*args, tuning=tuning.decode(16, cfg))
             label[0] = " fused decode"   # ... and stages.fused_default for the fused launch

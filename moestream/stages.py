@@ -285,7 +285,8 @@ class Tuning:
         22: qwen3 decode L2 33.1 -> 31.6 µs), the host pays ~15-40 µs more per launch
         (Triton encodes each descriptor at every launch), so None (the default) builds them
         only while a CUDA graph is being captured, whose replays pay nothing for them;
-        True: always, False: never. The fused launch builds its own.
+        True: always, False: never. The fused launch (one local rank, descriptor loads)
+        takes its L1 and L2 descriptors the same way.
     """
 
     programs: int = 0
@@ -891,8 +892,8 @@ def _capturing(buffer: SymmBuffer) -> bool:
 def host_descriptors(buffer: SymmBuffer, tuning: Tuning, tma: bool, *, region: str,
                      cols: int, w: torch.Tensor, w_shape: tuple, a_rows: tuple,
                      block_n: int, block_k: int) -> tuple[tuple, dict]:
-    """The tensor descriptors a staged GEMM kernel would build in every program, built on
-    the host where it may take them (``Tuning.host_descriptors``: True, or None while a CUDA
+    """The tensor descriptors a GEMM kernel (staged, or the fused launch's blocks) would
+    build in every program, built on the host where it may take them (``Tuning.host_descriptors``: True, or None while a CUDA
     graph is being captured; ``tma``; one local rank):
     ``((ad0, ad1, wd), {"HOST_DESC": True})``, else ``((None, None, None), {})``.
 
@@ -1102,6 +1103,14 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     nloc = buffer.local_ranks
     w13_tab, w13s_tab = _weight_tables(buffer, w13s)
     w2_tab, w2s_tab = _weight_tables(buffer, w2s)
+    E_LOC, H, I = c.E_LOC, cfg.hidden, cfg.intermediate
+    rows = _a_rows(cfg, cfg.block_m, dm, 0)
+    descs1, host_kw = host_descriptors(
+        buffer, tuning, tma, region="pool_x", cols=H, w=w13s[0][0] if fp8 else w13s[0],
+        w_shape=(E_LOC * 2 * I, H), a_rows=rows, block_n=bn1, block_k=bk1)
+    descs2, _ = host_descriptors(
+        buffer, tuning, tma, region="pool_act", cols=I, w=w2s[0][0] if fp8 else w2s[0],
+        w_shape=(E_LOC * H, I), a_rows=rows, block_n=bn2, block_k=bk2)
     args = (
         buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
@@ -1114,7 +1123,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
         c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.dispatch_tokens,
-        tuning.chunk_blocks, tuning.combine_parts)
+        tuning.chunk_blocks, tuning.combine_parts, *descs1, *descs2)
     kw = dict(
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
@@ -1124,7 +1133,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
-        L2_LAG=tuning.fused_l2_lag,
+        L2_LAG=tuning.fused_l2_lag, **host_kw,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs

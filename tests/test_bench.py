@@ -579,3 +579,43 @@ def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
         mod.run("abc", str(tmp_path / "o.jsonl"), ["--shapes", "qwen3"], 10, into=tmp_path)
     with pytest.raises(ValueError, match="pass --out to ab_commits.py"):
         mod.run("HEAD", str(tmp_path / "o.jsonl"), ["--out", "x.jsonl"], 10, into=tmp_path)
+
+
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_launch_floor_dry_run(tmp_path, capsys) -> None:
+    # benchmarks/launch_floor.py under the interpreter: two experts at small dims, the
+    # m-block count set to 0, 1 and 2 before each timing; rows for both GEMMs and the empty
+    # kernel, and a fitted line per GEMM (the CPU's numbers mean nothing: the shape of the
+    # output is what is checked)
+    mod = _script("launch_floor")
+    out = tmp_path / "rows.jsonl"
+    assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
+                     "0,1,2", "--reps", "1", "--warmup", "0", "--variants", "dec16",
+                     "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = [(r["kernel"], r["blocks"]) for r in rows if not r.get("fit")]
+    assert timed == [("empty[l1 grid]", 0), ("l1", 0), ("l1", 1), ("l1", 2),
+                     ("empty[l2 grid]", 0), ("l2", 0), ("l2", 1), ("l2", 2)]
+    assert [r["weight_bytes"] for r in rows if r["kernel"] == "l2" and not r.get("fit")] == [
+        0, 256 * 128 * 2, 2 * 256 * 128 * 2]
+    assert [(r["variant"], r["kernel"]) for r in rows if r.get("fit")] == [
+        ("dec16", "l1"), ("dec16", "l2")]
+    assert "fixed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):   # argparse's error: a count past the experts
+        mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks", "3"])
+
+
+def test_fit_line_gives_intercept_and_slope() -> None:
+    mod = _script("launch_floor")
+    assert mod.fit_line([(0, 7.0), (100, 32.0), (200, 57.0)]) == pytest.approx((7.0, 0.25))
+    with pytest.raises(ValueError, match="two or more distinct x"):
+        mod.fit_line([(1, 2.0), (1, 3.0)])

@@ -130,6 +130,27 @@ def test_host_descriptors_in_the_fp8_layer(device, gen, host_kinds, Ts, tuning):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype, Ts, tuning", [
+    # the fused launch's whole bf16 tiles (its fp8 tiles load by pointer)
+    ("bf16", [37], stages.Tuning(use_tma=True)),
+    # decode pieces, T=1 and blocks of ~30 rows: the DM-row and wide A descriptors
+    ("bf16", [1], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64)),
+    ("bf16", [37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64)),
+    ("fp8", [30], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=128)),
+], ids=["tiles", "decode-T1", "decode-wide", "fp8-decode"])
+def test_host_descriptors_in_the_fused_launch(device, gen, host_kinds, dtype, Ts, tuning):
+    # one fused launch takes both GEMMs' descriptors (ONE_RANK: built once per launch)
+    if dtype == "fp8":
+        check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
+                              Ts, host(tuning), gen, device, drop=0.05, impl="fused")
+    else:
+        check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4), Ts,
+                          host(tuning), gen, device, impl="fused")
+    assert [(region, on) for region, on, _ in host_kinds] == [("pool_x", True),
+                                                              ("pool_act", True)], host_kinds
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("Ts, tuning", [
     ([37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64,
                          host_descriptors=False)),      # asked off: in-kernel on one rank
@@ -173,8 +194,9 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, decode_
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=dev)
     out = torch.empty(1, 37, cfg.hidden, dtype=torch.bfloat16, device=dev)
 
-    def call():
-        return mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning, out=out)
+    def call():   # validate=False: its range check reads topk_idx on the host (a sync)
+        return mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning, out=out,
+                                validate=False)
     call()   # compiles, caches the weight tables
     torch.cuda.synchronize()
     host_kinds.clear()

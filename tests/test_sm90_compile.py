@@ -168,15 +168,19 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
 
 
 def test_host_descriptors_leave_no_descriptor_to_build(compiled_rows):
-    # Tuning.host_descriptors (a CUDA graph capture): the staged GEMMs take their descriptors
-    # as kernel parameters, so their SASS makes none visible to the TMA unit (UTMACCTL)
-    # where the same GEMMs building them in the kernel do; same MMAs, no spill
+    # Tuning.host_descriptors (a CUDA graph capture): the staged GEMMs and the fused launch
+    # take their descriptors as kernel parameters, so their SASS makes none visible to the
+    # TMA unit (UTMACCTL) where the same kernels building them do; same MMAs, no spill
     by_label = {(r["name"], r["kernel"].split(" ", 1)[1] if " " in r["kernel"] else ""): r
-                for r in compiled_rows if r["name"] in ("l1_kernel", "l2_kernel")}
-    pairs = [("host", ""), ("decode host", "decode"),
-             ("fp8 decode host", "fp8 decode")]
-    for name in ("l1_kernel", "l2_kernel"):
-        for host, built in pairs:
+                for r in compiled_rows
+                if r["name"] in ("l1_kernel", "l2_kernel", "fused_kernel")}
+    pairs = {"l1_kernel": [("host", ""), ("decode host", "decode"),
+                           ("fp8 decode host", "fp8 decode")],
+             "fused_kernel": [("fused host", "gpu-default"),
+                              ("fused decode host", "fused decode")]}
+    pairs["l2_kernel"] = pairs["l1_kernel"]
+    for name, kinds in pairs.items():
+        for host, built in kinds:
             h = by_label[name, host]
             b = by_label[name, built]
             assert h["tensormap_fences"] == 0 < b["tensormap_fences"], (h, b)

@@ -126,6 +126,7 @@ def fused_kernel(
     ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     CP,                             # column parts per combine task of CT tokens
+    hd1a, hd1b, hd1w, hd2a, hd2b, hd2w,   # HOST_DESC: L1 / L2 descriptors (A, A wide, w)
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
@@ -135,6 +136,7 @@ def fused_kernel(
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
     L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1, L2_LAG: tl.constexpr = 0,
+    HOST_DESC: tl.constexpr = False,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
@@ -146,8 +148,12 @@ def fused_kernel(
     K steps during this block's epilogue; the m-block's completion is counted once per ticket
     (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces.
     L2_LAG 1: a wave's L2 tickets follow the next wave's L1 tickets instead of its own
-    (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed."""
+    (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed.
+    HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
+    (``stages.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
+    instead of each program building them before its first ticket."""
     tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
+    tl.static_assert(not HOST_DESC or (ONE_RANK and USE_TMA), "host descriptors: one rank")
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
@@ -163,10 +169,16 @@ def fused_kernel(
     if ONE_RANK:   # one set of weights and descriptors for the whole launch
         w13_0, w13s_0 = expert_weights(w13_table, w13s_table, 0, FP8)
         w2_0, w2s_0 = expert_weights(w2_table, w2s_table, 0, FP8)
-        a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, I, E_LOC, XB, BM,
-                                   BN1, BK1, USE_TMA, FP8, DM, False)
-        a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, H, I, E_LOC, AB, BM,
-                                   BN2, BK2, USE_TMA, FP8, DM, True)
+        if HOST_DESC:
+            a1_0 = (hd1a, hd1b) if DM > 0 else hd1a
+            a2_0 = (hd2a, hd2b) if DM > 0 else hd2a
+            wd1_0 = hd1w
+            wd2_0 = hd2w
+        else:
+            a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, I, E_LOC, XB,
+                                       BM, BN1, BK1, USE_TMA, FP8, DM, False)
+            a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, H, I, E_LOC, AB,
+                                       BM, BN2, BK2, USE_TMA, FP8, DM, True)
     ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     ok = ticket >= 0
     while (ticket < total) & ok:
