@@ -19,7 +19,6 @@ import torch
 
 from moestream import stages
 from moestream.buffer import SymmBuffer
-from moestream.layer import mega_moe_virtual
 from moestream.testing import make_weights, routing_with_counts
 
 from conftest import KERNEL_DEVICES
@@ -179,11 +178,14 @@ def test_host_descriptors_by_default_while_a_graph_is_captured(gen, host_kinds, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["staged", "fused"])
 @pytest.mark.parametrize("decode_rows", [0, 16], ids=["tiles", "decode"])
-def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, decode_rows):
-    # the layer's default tuning on one virtual rank, captured into a CUDA graph (where the
-    # host builds the descriptors) and replayed with new tokens, routing and weights of the
-    # picks: each replay against the reference, the output poisoned before it
+def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, impl, decode_rows):
+    # the layer's default tuning on one virtual rank, its launches (stages.run_staged /
+    # run_fused, what mega_moe runs; mega_moe_virtual checks the buffer on the host and
+    # cannot be captured) captured into a CUDA graph, where the host builds the descriptors,
+    # then replayed with new tokens, routing and pick weights: each replay against the
+    # reference, the output poisoned before it
     dev = torch.device("cuda")
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
     tuning = replace(stages.Tuning.hopper(32, hidden=cfg.hidden,
@@ -193,12 +195,15 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, decode_
     xs, idxs, ws = make_case(cfg, 1, [37], gen, dev, drop=0.1)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=dev)
     out = torch.empty(1, 37, cfg.hidden, dtype=torch.bfloat16, device=dev)
+    run = stages.run_staged if impl == "staged" else stages.run_fused
+    if impl == "fused":
+        tuning = tuning.for_fused(buf)
 
-    def call():   # validate=False: its range check reads topk_idx on the host (a sync)
-        return mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning, out=out,
-                                validate=False)
+    def call():
+        run(buf, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
     call()   # compiles, caches the weight tables
     torch.cuda.synchronize()
+    buf.check()
     host_kinds.clear()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -206,7 +211,7 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, decode_
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         call()
     torch.cuda.current_stream().wait_stream(stream)
-    assert [host for _, host, _ in host_kinds] == [True, True], host_kinds
+    assert [on for _, on, _ in host_kinds] == [True, True], host_kinds
     for _ in range(3):
         x2, idx2, w2_ = make_case(cfg, 1, [37], gen, dev, drop=0.1)
         xs[0].copy_(x2[0])
@@ -215,6 +220,7 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, decode_
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        buf.check()
         check_layer([out[0]], xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
     buf.destroy()
 
