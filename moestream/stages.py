@@ -282,7 +282,7 @@ class Tuning:
         every program writing each one to global memory and fencing it before its first
         load (three round trips in a row ahead of a decode L2's first weight load; sm_90
         SASS, benchmarks/NOTES.md, session 21). The GPU saves ~1.5 µs per launch (session
-        22: qwen3 decode L2 33.1 -> 31.6 µs), the host pays ~15-40 µs more per launch
+        22: qwen3 decode L2 33.1 -> 31.6 µs), the host pays tens of µs more per launch
         (Triton encodes each descriptor at every launch), so None (the default) builds them
         only while a CUDA graph is being captured, whose replays pay nothing for them;
         True: always, False: never. The fused launch (one local rank, descriptor loads)
@@ -893,9 +893,10 @@ def host_descriptors(buffer: SymmBuffer, tuning: Tuning, tma: bool, *, region: s
                      cols: int, w: torch.Tensor, w_shape: tuple, a_rows: tuple,
                      block_n: int, block_k: int) -> tuple[tuple, dict]:
     """The tensor descriptors a GEMM kernel (staged, or the fused launch's blocks) would
-    build in every program, built on the host where it may take them (``Tuning.host_descriptors``: True, or None while a CUDA
-    graph is being captured; ``tma``; one local rank):
-    ``((ad0, ad1, wd), {"HOST_DESC": True})``, else ``((None, None, None), {})``.
+    build in every program, built on the host where it may take them
+    (``Tuning.host_descriptors`` True, or None while a CUDA graph is being captured; ``tma``;
+    one local rank): ``((ad0, ad1, wd), {"HOST_DESC": True})``, else
+    ``((None, None, None), {})``.
 
     A: the pool ``region`` (``pool_x`` / ``pool_act``: [P, cols] bf16, or the fp8 layer's byte
     rows read as e4m3) in tiles of ``a_rows[i]`` rows (one entry for whole tiles, two for

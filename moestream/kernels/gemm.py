@@ -746,7 +746,8 @@ def l2_kernel(
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False,
 ):
-    """FP8, W4, HOST_DESC: as ``l1_kernel``; the output tile is rounded to bf16 for the combine slots.
+    """FP8, W4, HOST_DESC: as ``l1_kernel``; the output tile is rounded to bf16 for the
+    combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
     their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
