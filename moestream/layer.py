@@ -54,7 +54,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
     each; fused: the last four in one launch), every launch serving all R ranks, and then
     checks the kernels' diagnostics, which synchronises
     with the device (this is a development and test path; the per-rank ``mega_moe`` is the
-    one without host synchronisation).
+    one without host synchronisation): a call inside a CUDA graph capture is a ValueError.
 
     Args:
         xs: per rank r, x [T_r, H] bf16 with T_r <= config.max_tokens_per_rank (T_r may be 0).
@@ -82,6 +82,10 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
     if not isinstance(buffer, SymmBuffer) or not buffer.is_virtual:
         raise ValueError("buffer must be a virtual SymmBuffer(config, num_ranks=R); for one "
                          "rank per process use mega_moe")
+    if buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("mega_moe_virtual reads the kernels' diagnostics on the host after "
+                         "each call, which a CUDA graph capture does not allow; capture "
+                         "mega_moe (one rank per process) or stages.run_staged / run_fused")
     R = buffer.num_ranks
     for name, seq in (("xs", xs), ("topk_idxs", topk_idxs), ("topk_weights", topk_weights),
                       ("w13s", w13s), ("w2s", w2s)):

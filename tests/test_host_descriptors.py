@@ -19,6 +19,7 @@ import torch
 
 from moestream import stages
 from moestream.buffer import SymmBuffer
+from moestream.layer import mega_moe_virtual
 from moestream.testing import make_weights, routing_with_counts
 
 from conftest import KERNEL_DEVICES
@@ -222,6 +223,26 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, impl, d
         torch.cuda.synchronize()
         buf.check()
         check_layer([out[0]], xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    buf.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mega_moe_virtual_says_it_cannot_be_captured(gen):
+    # it reads the diagnostics on the host after every call: inside a capture that is a
+    # ValueError naming what to capture instead, not a CUDA error that invalidates the capture
+    dev = torch.device("cuda")
+    cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
+    buf = SymmBuffer(cfg, num_ranks=1, device=dev)
+    xs, idxs, ws = make_case(cfg, 1, [5], gen, dev)
+    w13s, w2s = make_weights(cfg, 1, generator=gen, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, validate=False)
+    torch.cuda.synchronize()
     buf.destroy()
 
 
