@@ -228,6 +228,7 @@ def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, impl, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")   # nothing was captured: right
 def test_mega_moe_virtual_says_it_cannot_be_captured(gen):
     # it reads the diagnostics on the host after every call: inside a capture that is a
     # ValueError naming what to capture instead, not a CUDA error that invalidates the capture
