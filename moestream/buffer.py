@@ -76,6 +76,7 @@ class SymmBuffer:
         self.config = config
         self._hdl = None
         self._weight_tables: dict[tuple[int, ...], torch.Tensor] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}
         if group is None:
             config.check_ranks(num_ranks)
             self.device = _normalise_device(device)
@@ -245,6 +246,17 @@ class SymmBuffer:
             self._pending = False
             self._raise_for(self._diag_host.tolist())
 
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A work tensor of this process only (not symmetric, not in the layout), zeroed
+        when first asked for and kept for the buffer's life: ``name`` with its shape and
+        dtype (e.g. the staged L1's split-K sums and counts, ``stages.l1``). The kernels
+        that use one leave it as they need to find it next call (counts back at zero)."""
+        key = (name, tuple(int(d) for d in shape), dtype)
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = torch.zeros(key[1], dtype=dtype, device=self.device)
+        return t
+
     def destroy(self) -> None:
         """Release the memory (collective in the real form)."""
         if self._hdl is not None:
@@ -254,6 +266,7 @@ class SymmBuffer:
         self._storage = []
         self._hdl = None
         self._weight_tables.clear()
+        self._scratch.clear()
 
     def __repr__(self) -> str:
         form = "virtual" if self.is_virtual else f"rank {self.rank}"

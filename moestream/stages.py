@@ -287,6 +287,19 @@ class Tuning:
         only while a CUDA graph is being captured, whose replays pay nothing for them;
         True: always, False: never. The fused launch (one local rank, descriptor loads)
         takes its L1 and L2 descriptors the same way.
+    l1_split_k: 1, 4, 8 or 16: with decode pieces (bf16, staged), when a call's L1 tiles
+        are at most a quarter of the programs, up to this many programs share one tile's K
+        loop (the device picks the largest power of two >= 4 that fits the programs, from
+        the call's m-block count; ``kernels/gemm.split_count``). Each part's fp32 gate and up
+        sums go to a scratch of the buffer (``SymmBuffer.scratch``); the last part to finish
+        adds them in a fixed order and applies SwiGLU, so the result does not depend on which
+        part was last, and no part waits for another. A program streaming one tile alone is
+        bound by its own K loop (session 22: 1-4 qwen3 experts' L1 take 8-9 µs beyond an
+        empty launch whatever the count; with 4 parts 12.1-13.2 -> 8.8-11.8 µs in two runs
+        of opposite order). ``decode`` sets 4 in bf16: it applies where a rank's decode call
+        hits few experts (EP4 and up, or few experts per token); an EP2 qwen3 rank at one
+        token has ~96 tiles on 264 programs and does not split. The fused launch ignores it.
+        1: off.
     """
 
     programs: int = 0
@@ -334,6 +347,7 @@ class Tuning:
     l2_tail_rows: int = 0
     fp4w_rows: int = 64
     host_descriptors: bool | None = None
+    l1_split_k: int = 1
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
@@ -433,8 +447,9 @@ class Tuning:
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
-        (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, L1 and L2 two
-        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
+        (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
+        more parts where a call has few (``l1_split_k``), L1 and L2 two programs per SM
+        (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
         3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
         dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
@@ -453,7 +468,7 @@ class Tuning:
         l2n = 128 if (self.l2_block_n or 0) > 128 else self.l2_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
                        l2_block_n=l2n, l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
-                       dispatch_parts=parts)
+                       dispatch_parts=parts, l1_split_k=4)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2 and
@@ -539,6 +554,9 @@ class Tuning:
         if type(self.fused_l2_lag) is not int or self.fused_l2_lag not in (0, 1):
             raise ValueError(f"Tuning.fused_l2_lag must be 0 or 1 (waves an L2 ticket follows "
                              f"its L1 by), got {self.fused_l2_lag!r}")
+        if type(self.l1_split_k) is not int or self.l1_split_k not in (1, 4, 8, 16):
+            raise ValueError(f"Tuning.l1_split_k must be 1 (off), 4, 8 or 16, got "
+                             f"{self.l1_split_k!r}")
         if type(self.fp4w_rows) is not int or self.fp4w_rows not in (16, 32, 64, 128, 256):
             raise ValueError(f"Tuning.fp4w_rows must be 16, 32, 64, 128 or 256, got "
                              f"{self.fp4w_rows!r}")
@@ -953,15 +971,22 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
         a_rows=_a_rows(cfg, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
+    # split-K parts (bf16 decode pieces): partial sums and counts for up to every program
+    split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
+    most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
+    sums = (buffer.scratch("l1_split_sums", (most, 2, bn, dm), torch.float32) if split > 1
+            else buffer.table)   # unused without split-K
+    counts = (buffer.scratch("l1_split_counts", (most,), torch.int32) if split > 1
+              else buffer.table)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
             off["off_pool_act"], H, I, E_LOC, c.P, cfg.token_bytes,
-            cfg.act_bytes, dispatch_parts(buffer, tuning), *descs)
+            cfg.act_bytes, dispatch_parts(buffer, tuning), *descs, sums, counts)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
-              GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, **host_kw,
+              GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split, **host_kw,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

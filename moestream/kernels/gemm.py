@@ -192,10 +192,13 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
 @triton.jit
 def l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-           UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+           UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr, k_lo=0, k_hi=-1):
     """The K loop of ``l1_rows`` as two MMAs per step: fp32 (gate, up) of expert ``e``,
-    [ROWS, BN] ([BN, ROWS] with SWAP)."""
-    kk = tl.arange(0, BK)
+    [ROWS, BN] ([BN, ROWS] with SWAP), over K columns [k_lo, k_hi) (k_hi -1: H; split-K
+    parts, ``l1_split_part``)."""
+    if k_hi < 0:
+        k_hi = H
+    kk = k_lo + tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     a_ptrs = pool_x + rows[:, None] * H + kk[None, :]
@@ -203,7 +206,7 @@ def l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I,
     wu_ptrs = wg_ptrs + I * H
     acc_g = zero_acc(ROWS, BN, SWAP)
     acc_u = zero_acc(ROWS, BN, SWAP)
-    for k0 in range(0, H, BK):
+    for k0 in range(k_lo, k_hi, BK):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
             g = weight_tile(w_desc.load([e * 2 * I + nb * BN, k0]), SWAP)
@@ -247,6 +250,63 @@ def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
         tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
                  mask=rv[:, None])
+
+
+@triton.jit
+def split_count(tiles, nprog, SPLIT_K: tl.constexpr):
+    """Programs per L1 tile (``l1_split_part``): the largest power of two S <= SPLIT_K with
+    tiles * S <= nprog, and 1 (no split) unless that is at least 4, decided on the device
+    from this call's m-block count. Two parts measured slower than none (session 22: qwen3,
+    8 blocks of 12 tiles on 264 programs, 17.3-21.2 -> 19.1-21.3 µs), four or more faster."""
+    s = tiles * 0 + 1
+    if SPLIT_K >= 4:
+        s = tl.where(tiles * 4 <= nprog, 4, s)
+    if SPLIT_K >= 8:
+        s = tl.where(tiles * 8 <= nprog, 8, s)
+    if SPLIT_K >= 16:
+        s = tl.where(tiles * 16 <= nprog, 16, s)
+    return s
+
+
+@triton.jit
+def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
+                  w_desc, sums, counts, H, I, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, DM: tl.constexpr, UPCAST: tl.constexpr,
+                  USE_TMA: tl.constexpr, SIGNAL: tl.constexpr):
+    """Part ``part`` of S of a decode L1 block's K loop (split-K, ``Tuning.l1_split_k``):
+    its fp32 gate and up sums [BN, DM] go to ``sums`` slot tile * S + part; the part that
+    counts last in ``counts[tile]`` adds the S slots in order (the same sum whoever is last),
+    applies SwiGLU x weight, stores the rows, sets the count back to 0 for the next call and
+    signals the block. A block of more than DM rows (wide pieces) runs whole in part 0."""
+    vm = meta & 511
+    if vm <= DM:
+        steps = H // BK
+        per = (steps + S - 1) // S
+        k_lo = part * per * BK
+        k_hi = tl.minimum(k_lo + per * BK, H)
+        acc_g, acc_u = l1_acc(mb, 0, nb, meta >> 9, pool_x, w13, a_desc[0], w_desc, H, I, BM,
+                              BN, BK, DM, UPCAST, USE_TMA, True, k_lo, k_hi)
+        cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
+        slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
+        tl.store(slot + cell, acc_g)
+        tl.store(slot + BN * DM + cell, acc_u)
+        tl.debug_barrier()   # every thread's sums are stored before the count is released
+        done = tl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            tl.debug_barrier()
+            first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
+            sum_g = tl.zeros([BN, DM], tl.float32)
+            sum_u = tl.zeros([BN, DM], tl.float32)
+            for j in range(0, S):
+                sum_g += tl.load(first + j * (2 * BN * DM) + cell)
+                sum_u += tl.load(first + j * (2 * BN * DM) + BN * DM + cell)
+            l1_store(sum_g, sum_u, mb, 0, nb, vm, pool_w, pool_act, I, BM, BN, DM, UPCAST,
+                     True)
+            tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
+            count_l1_done(l1_done, mb, SIGNAL)
+    elif part == 0:
+        l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc, w_desc,
+                        H, I, BM, BN, BK, DM, UPCAST, USE_TMA, False, SIGNAL)
 
 
 @triton.jit
@@ -430,11 +490,14 @@ def l1_kernel(
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
     ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
+    split_sums, split_counts,  # SPLIT_K > 1: fp32 [local ranks, programs, 2, BN, DM] and
+                               # int32 [local ranks, programs], counts zero between calls
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
     GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -453,8 +516,12 @@ def l1_kernel(
     step (``l1_rows``).
     HOST_DESC (with USE_TMA, one local rank): ``ad0`` (and for decode pieces ``ad1``) and
     ``wd`` are the descriptors this kernel would build (``stages.host_descriptors``), passed
-    as kernel parameters: no descriptor is written and fenced in global memory first."""
+    as kernel parameters: no descriptor is written and fenced in global memory first.
+    SPLIT_K > 1 (bf16 decode pieces, no tail pieces): when the call's tiles are fewer than
+    the programs, S programs share each tile's K loop (``split_count``, ``l1_split_part``)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
+    tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
+                     "split-K: bf16 decode pieces")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
@@ -489,6 +556,25 @@ def l1_kernel(
                                                 BM if TAIL else 0, FP8)
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
+    if SPLIT_K > 1:
+        S = split_count(total, nprog, SPLIT_K)
+        if S > 1:   # one part per program: total * S <= nprog
+            if pid < total * S:
+                tile = pid // S
+                mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
+                meta = tl.load(block_meta + mb)
+                if WAIT:
+                    ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
+                                       timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
+                                       USE_TIMER=USE_TIMER)
+                if ok:
+                    # this local rank's slots: [local ranks, programs, ...] (stages.l1)
+                    l1_split_part(tile, pid % S, S, mb, nb, meta, l1_done, pool_x, pool_w,
+                                  pool_act, w13, a_desc, w_desc,
+                                  split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM),
+                                  split_counts + lr * nprog, H, I, BM, BN, BK, DM, UPCAST,
+                                  USE_TMA, SIGNAL)
+            ticket = total   # the loop below has nothing left
     while (ticket < total) & ok:
         mb, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
         meta_next = tl.load(block_meta + l1_tile_of(ticket + nprog, num_m, NB, GROUP_M)[0],
