@@ -517,8 +517,9 @@ def l1_kernel(
     HOST_DESC (with USE_TMA, one local rank): ``ad0`` (and for decode pieces ``ad1``) and
     ``wd`` are the descriptors this kernel would build (``stages.host_descriptors``), passed
     as kernel parameters: no descriptor is written and fenced in global memory first.
-    SPLIT_K > 1 (bf16 decode pieces, no tail pieces): when the call's tiles are fewer than
-    the programs, S programs share each tile's K loop (``split_count``, ``l1_split_part``)."""
+    SPLIT_K > 1 (bf16 decode pieces, no tail pieces): when the call's tiles are at most a
+    quarter of the programs, S >= 4 programs share each tile's K loop (``split_count``,
+    ``l1_split_part``), one part per program."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
