@@ -945,7 +945,7 @@ def _a_rows(cfg, tile_rows: int, dm: int, second: int) -> tuple:
     smaller."""
     if not dm:
         return (tile_rows,)
-    return (dm, second if second else min(32, cfg.block_m))
+    return (dm, second if second else min(32, cfg.block_m))   # DECODE_WIDE
 
 
 def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None:
@@ -971,13 +971,12 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
         a_rows=_a_rows(cfg, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
-    # split-K parts (bf16 decode pieces): partial sums and counts for up to every program
     split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
-    most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
-    sums = (buffer.scratch("l1_split_sums", (most, 2, bn, dm), torch.float32) if split > 1
-            else buffer.table)   # unused without split-K
-    counts = (buffer.scratch("l1_split_counts", (most,), torch.int32) if split > 1
-              else buffer.table)
+    sums = counts = buffer.table   # placeholders: unused without split-K
+    if split > 1:   # partial sums and counts for up to every program of every local rank
+        most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
+        sums = buffer.scratch("l1_split_sums", (most, 2, bn, dm), torch.float32)
+        counts = buffer.scratch("l1_split_counts", (most,), torch.int32)
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
