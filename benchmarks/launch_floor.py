@@ -20,6 +20,7 @@ import argparse
 import json
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 
@@ -36,15 +37,10 @@ def _empty_kernel():
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through (x, y) points (>= 2 distinct x)."""
-    n = len(points)
-    xs = [p[0] for p in points]
-    if n < 2 or len(set(xs)) < 2:
+    if len({p[0] for p in points}) < 2:
         raise ValueError(f"a line needs points at two or more distinct x, got {points}")
-    mx = sum(xs) / n
-    my = sum(p[1] for p in points) / n
-    slope = (sum((x - mx) * (y - my) for x, y in points)
-             / sum((x - mx) ** 2 for x in xs))
-    return my - slope * mx, slope
+    slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+    return float(intercept), float(slope)
 
 
 def main(argv=None) -> int:
