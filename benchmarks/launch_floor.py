@@ -1,6 +1,8 @@
 """What a staged GEMM launch costs besides its tiles: time against the number of m-blocks it
 walks, from none (the prologue and the rank signal only) to every expert's, next to an empty
-Triton kernel on the same grid (the launch and the two events around it).
+Triton kernel on the same grid (the launch and the two events around it), and a plain read
+of the same weight bytes (``read``: every byte loaded once and summed, no MMA, no epilogue),
+which bounds what any kernel streaming those bytes can reach under this protocol.
 
 One GPU, one virtual rank, E experts of M rows each (the GEMM bench's pool; at M <= 128 one
 m-block per expert, so k blocks = k experts' tiles). The count the kernels read
@@ -33,6 +35,32 @@ def _empty_kernel():
         if N < 0:   # never: a program that loads nothing and stores nothing
             tl.store(x_ptr, 0)
     return empty
+
+
+def _read_kernel():
+    from moestream.kernels._common import tl, triton
+
+    @triton.jit
+    def read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+        # a grid-stride walk over n elements in BLOCK-element steps, summed in fp32 so that
+        # no load is dead; one partial sum per program
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in tl.range(pid * BLOCK, n, step, num_stages=STAGES):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+    return read
+
+
+READ_BLOCK = 4096      # elements per program per step (8 KB of bf16)
+READ_PER_SM = 4        # programs per SM: ~32 KB of loads in flight per program at 4 stages
+
+
+def read_bytes(read, x: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """One launch of ``read`` over the first n elements of flat ``x`` (partials into out)."""
+    read[(out.numel(),)](x, out, n, BLOCK=READ_BLOCK, STAGES=4)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -90,7 +118,18 @@ def main(argv=None) -> int:
     rows = []
     timing = dict(warmup=a.warmup, reps=a.reps, queue_ahead=dev.type == "cuda")
     empty = _empty_kernel()
+    read = _read_kernel()
     scratch = torch.zeros(1, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    partials = torch.zeros(sms * READ_PER_SM, dtype=torch.float32, device=dev)
+    for kernel, w in (("l1", w13), ("l2", w2)):   # the plain read of each GEMM's weight bytes
+        flat, per_expert = w.view(-1), w[0].numel()
+        for k in blocks:
+            t = time_cuda(lambda: read_bytes(read, flat, k * per_expert, partials), **timing)
+            rows.append(dict(variant="read", kernel=kernel, blocks=k,
+                             weight_bytes=k * per_expert * 2, programs=partials.numel(), **t))
+        got, want = float(partials.sum()), float(flat[:blocks[-1] * per_expert].float().sum())
+        assert abs(got - want) <= 1e-3 * max(1.0, float(flat.float().abs().sum())), (got, want)
     for name in names:
         v = VARIANTS[name]
         if v.dtype != "bf16":
@@ -120,7 +159,7 @@ def main(argv=None) -> int:
         r.update(shape=a.shape if not a.dims else f"{H}x{I}", experts=E, rows_per_expert=M,
                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     summary = []
-    for name in names:
+    for name in ["read"] + names:
         for kernel in ("l1", "l2"):
             pts = [(r["weight_bytes"], r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel and r["blocks"] > 0]
@@ -149,17 +188,18 @@ def _plot(rows, names, path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kernel in zip(axes, ("l1", "l2")):
-        for name in names:
+        for name in ["read"] + names:
             pts = [(r["weight_bytes"] / 1e6, r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel]
-            ax.plot(*zip(*pts), marker="o", label=name)
+            ax.plot(*zip(*pts), marker="o", label=name, ls="--" if name == "read" else "-")
             floor = [r["median_us"] for r in rows
                      if r["variant"] == name and r["kernel"] == f"empty[{kernel} grid]"]
             if floor:
                 ax.axhline(floor[0], ls=":", lw=1, color=ax.lines[-1].get_color())
         ax.set_xlabel("weight MB streamed")
         ax.set_ylabel("µs per launch")
-        ax.set_title(f"{kernel}: time vs m-blocks walked (dotted: empty kernel)")
+        ax.set_title(f"{kernel}: time vs m-blocks walked (dotted: empty kernel; dashed: "
+                     f"a plain read of the bytes)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

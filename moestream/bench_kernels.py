@@ -178,9 +178,13 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
         16, _DIMS_FP8), host_descriptors=False), "fp8"),
     # session 22: split-K decode L1 (Tuning.l1_split_k, 4 in dec16 since; it applies only
     # where a call's L1 tiles are at most a quarter of the programs: benchmarks/
-    # launch_floor.py walks 1..E blocks). Before that, dec16 rows are unsplit
-    GemmVariant("dec16-nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=1)),
-    GemmVariant("dec16-split8", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=8)),
+    # launch_floor.py walks 1..E blocks); session 23: the same in the decode L2
+    # (l2_split_k). Before those, dec16 rows are unsplit. These two set both GEMMs
+    GemmVariant("dec16-nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=1,
+                                              l2_split_k=1)),
+    GemmVariant("dec16-split8", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=8,
+                                             l2_split_k=8)),
+    GemmVariant("dec16-l2nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l2_split_k=1)),
     # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
     # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
     # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)

@@ -300,6 +300,11 @@ class Tuning:
         hits few experts (EP4 and up, or few experts per token); an EP2 qwen3 rank at one
         token has ~96 tiles on 264 programs and does not split. The fused launch ignores it.
         1: off.
+    l2_split_k: the same for the staged bf16 decode L2 (``kernels/gemm.l2_split_part``): a
+        part's fp32 sums [decode_rows, block_n] go to the scratch, and the last part adds
+        them in order and stores the rows into their combine slots. It applies where a call's
+        L2 tiles are at most a quarter of the programs: qwen3 dims up to 4 m-blocks (16
+        column blocks each), dsv3 one (56). ``decode`` sets 4 in bf16. 1: off.
     """
 
     programs: int = 0
@@ -348,6 +353,7 @@ class Tuning:
     fp4w_rows: int = 64
     host_descriptors: bool | None = None
     l1_split_k: int = 1
+    l2_split_k: int = 1
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
@@ -448,7 +454,8 @@ class Tuning:
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
-        more parts where a call has few (``l1_split_k``), L1 and L2 two programs per SM
+        more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), L1 and L2 two
+        programs per SM
         (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
         3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
         dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
@@ -468,7 +475,7 @@ class Tuning:
         l2n = 128 if (self.l2_block_n or 0) > 128 else self.l2_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
                        l2_block_n=l2n, l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
-                       dispatch_parts=parts, l1_split_k=4)
+                       dispatch_parts=parts, l1_split_k=4, l2_split_k=4)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2 and
@@ -554,9 +561,10 @@ class Tuning:
         if type(self.fused_l2_lag) is not int or self.fused_l2_lag not in (0, 1):
             raise ValueError(f"Tuning.fused_l2_lag must be 0 or 1 (waves an L2 ticket follows "
                              f"its L1 by), got {self.fused_l2_lag!r}")
-        if type(self.l1_split_k) is not int or self.l1_split_k not in (1, 4, 8, 16):
-            raise ValueError(f"Tuning.l1_split_k must be 1 (off), 4, 8 or 16, got "
-                             f"{self.l1_split_k!r}")
+        for name in ("l1_split_k", "l2_split_k"):
+            v = getattr(self, name)
+            if type(v) is not int or v not in (1, 4, 8, 16):
+                raise ValueError(f"Tuning.{name} must be 1 (off), 4, 8 or 16, got {v!r}")
         if type(self.fp4w_rows) is not int or self.fp4w_rows not in (16, 32, 64, 128, 256):
             raise ValueError(f"Tuning.fp4w_rows must be 16, 32, 64, 128 or 256, got "
                              f"{self.fp4w_rows!r}")
@@ -948,6 +956,18 @@ def _a_rows(cfg, tile_rows: int, dm: int, second: int) -> tuple:
     return (dm, second if second else min(32, cfg.block_m))   # DECODE_WIDE
 
 
+def _split_scratch(buffer: SymmBuffer, tuning: Tuning, gemm: str, split: int,
+                   part_shape: tuple) -> tuple:
+    """(sums, counts) of a split-K GEMM (``l1_split_k``, ``l2_split_k``): fp32 partial sums
+    of ``part_shape`` and an int32 count (zero between calls) for up to every program of
+    every local rank; the buffer's table as placeholders when the launch does not split."""
+    if split == 1:
+        return buffer.table, buffer.table
+    most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
+    return (buffer.scratch(f"{gemm}_split_sums", (most, *part_shape), torch.float32),
+            buffer.scratch(f"{gemm}_split_counts", (most,), torch.int32))
+
+
 def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     """w13s: per local rank, w13 [E/R, 2I, H] bf16, or in fp8 mode (values, scale_inv), in
     fp4w mode (packed, scales)."""
@@ -972,11 +992,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         a_rows=_a_rows(cfg, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
     split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
-    sums = counts = buffer.table   # placeholders: unused without split-K
-    if split > 1:   # partial sums and counts for up to every program of every local rank
-        most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
-        sums = buffer.scratch("l1_split_sums", (most, 2, bn, dm), torch.float32)
-        counts = buffer.scratch("l1_split_counts", (most,), torch.int32)
+    sums, counts = _split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
@@ -1014,6 +1030,8 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
         buffer, tuning, tma, region="pool_act", cols=I, w=w2s[0][0] if fp8 else w2s[0],
         w_shape=(E_LOC * H, I), a_rows=_a_rows(cfg, bmt, dm, bmt if tail else 0),
         block_n=bn, block_k=bk)
+    split = tuning.l2_split_k if dm and not tail and cfg.dtype == "bf16" else 1
+    sums, counts = _split_scratch(buffer, tuning, "l2", split, (dm, bn))
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
@@ -1021,14 +1039,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
             off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
             off["off_l2_ranks_done"],
             H, I, E_LOC, cfg.max_tokens_per_rank,
-            I // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes, *descs)
+            I // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes, *descs, sums, counts)
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
               FLAT=(tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
                     and not pieces),
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
-              DM=dm, W4=w4, TAIL=tail > 0, **host_kw,
+              DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),

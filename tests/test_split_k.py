@@ -1,6 +1,7 @@
-"""Split-K in the staged decode L1 (``Tuning.l1_split_k``): when a call's L1 tiles are at most
-a quarter of the programs, S >= 4 programs share one tile's K loop, write fp32 partial sums to
-a scratch of the buffer, and the last part adds them in order and applies SwiGLU.
+"""Split-K in the staged decode GEMMs (``Tuning.l1_split_k``, ``l2_split_k``): when a call's
+tiles of one GEMM are at most a quarter of the programs, S >= 4 programs share one tile's K
+loop, write fp32 partial sums to a scratch of the buffer, and the last part adds them in
+order and finishes the tile (L1: SwiGLU into pool_act; L2: the rows into their combine slots).
 
 The interpreter runs the programs one after another, so these cases check the arithmetic
 (K ranges, slots, the sum, the epilogue), the device's choice of S, blocks that stay whole
@@ -10,6 +11,8 @@ case asserts that parts were really written (the sums scratch is no longer all z
 case that silently ran unsplit cannot pass.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,16 +26,27 @@ from conftest import KERNEL_DEVICES
 from test_kernels_virtual import check_layer, check_tuned_layer, make_case, poison, small_config
 
 
-def split_scratch(buf: SymmBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-    (sums,) = [t for (name, _, _), t in buf._scratch.items() if name == "l1_split_sums"]
-    (counts,) = [t for (name, _, _), t in buf._scratch.items() if name == "l1_split_counts"]
+def split_scratch(buf: SymmBuffer, gemm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    (sums,) = [t for (name, _, _), t in buf._scratch.items() if name == f"{gemm}_split_sums"]
+    (counts,) = [t for (name, _, _), t in buf._scratch.items()
+                 if name == f"{gemm}_split_counts"]
     return sums, counts
 
 
-def assert_parts_ran(buf: SymmBuffer) -> None:
-    sums, counts = split_scratch(buf)
-    assert bool((sums != 0).any()), "no split part wrote its sums: the case ran unsplit"
+def assert_parts_ran(buf: SymmBuffer, gemm: str) -> None:
+    sums, counts = split_scratch(buf, gemm)
+    assert bool((sums != 0).any()), f"no {gemm} split part wrote its sums: the case ran unsplit"
     assert int(counts.abs().sum()) == 0, counts   # every block's count back at zero
+
+
+def split_in(gemm: str, tuning: stages.Tuning) -> stages.Tuning:
+    """A case written for the L1 (``l1_split_k``, programs for its tiles), moved to ``gemm``:
+    the L2 has twice the L1's column blocks in these configs (hidden 256 / 64 against
+    intermediate 128 / 64), so twice the programs give it the same S."""
+    if gemm == "l1":
+        return tuning
+    return replace(tuning, l1_split_k=1, l2_split_k=tuning.l1_split_k,
+                   programs=2 * tuning.programs)
 
 
 def tail_routing(gen):
@@ -61,6 +75,11 @@ CASES = [
     (dict(max_tokens_per_rank=72), [70],
      stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4, programs=48),
      "tail"),
+    # intermediate 256: K = 256 in steps of 64 in both GEMMs over S = 4 parts (the field's
+    # cap), so every part has one step and a part left out of the sum shows in the output
+    (dict(intermediate=256), [1],
+     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4, programs=32),
+     None),
     # two virtual ranks: each local rank's parts use their own slots and counts
     (dict(), [1, 2], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4,
                                    programs=32), None),
@@ -68,25 +87,28 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("gemm", ["l1", "l2"])
 @pytest.mark.parametrize("cfg_changes, Ts, tuning, routing", CASES,
                          ids=["T1-s4", "T1-s8-host", "T2-pointers-empty-parts", "mixed-blocks",
-                              "two-ranks"])
-def test_split_k_computes_the_same_layer(device, gen, cfg_changes, Ts, tuning, routing):
+                              "every-part-a-step", "two-ranks"])
+def test_split_k_computes_the_same_layer(device, gen, gemm, cfg_changes, Ts, tuning, routing):
+    # the L2 cases: K = intermediate (128 but in every-part-a-step) in steps of 64, so S >= 4
+    # leaves parts with an empty K range (zero sums) next to parts with one step
     cfg = small_config(**{"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4,
                           **cfg_changes})
-    buf = check_tuned_layer(cfg, Ts, tuning, gen, device,
+    buf = check_tuned_layer(cfg, Ts, split_in(gemm, tuning), gen, device,
                             routing=tail_routing(gen) if routing else None)
-    assert_parts_ran(buf)
+    assert_parts_ran(buf, gemm)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_split_k_over_consecutive_calls(device, gen):
-    # one buffer, four calls with fresh tokens and routing (1-3 tokens: 2-8 tiles on 32
-    # programs, so S is 4 or 8 by the call's block count): the counts a call leaves at zero
-    # are what the next call's parts count from
+    # one buffer, four calls with fresh tokens and routing, both GEMMs split (1-3 tokens:
+    # 2-8 L1 and 4-16 L2 tiles on 64 programs, so S is 4 or 8 by the call's block count):
+    # the counts a call leaves at zero are what the next call's parts count from
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
     tuning = stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=8,
-                           programs=32)
+                           l2_split_k=8, programs=64)
     buf = SymmBuffer(cfg, num_ranks=1, device=device)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=device)
     for T in (1, 3, 2, 1):
@@ -94,10 +116,12 @@ def test_split_k_over_consecutive_calls(device, gen):
         xs, idxs, ws = make_case(cfg, 1, [T], gen, device)
         ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=tuning)
         check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden, label=f"T={T}")
-        assert_parts_ran(buf)
+        assert_parts_ran(buf, "l1")
+        assert_parts_ran(buf, "l2")
 
 
-def test_l1_split_k_must_be_a_power_of_two_up_to_16():
+@pytest.mark.parametrize("field", ["l1_split_k", "l2_split_k"])
+def test_split_k_must_be_a_power_of_two_up_to_16(field):
     for bad in (0, 2, 3, 32, True, 4.0):   # 2: two parts measured slower than none
-        with pytest.raises(ValueError, match="l1_split_k must be 1"):
-            stages.Tuning(l1_split_k=bad)
+        with pytest.raises(ValueError, match=f"{field} must be 1"):
+            stages.Tuning(**{field: bad})

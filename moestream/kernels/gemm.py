@@ -269,6 +269,35 @@ def split_count(tiles, nprog, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def split_range(part, S, K, BK: tl.constexpr):
+    """K columns [k_lo, k_hi) of split-K part ``part`` of S: whole BK steps, the parts past
+    the last step empty."""
+    per = (K // BK + S - 1) // S
+    k_lo = part * per * BK
+    return k_lo, tl.minimum(k_lo + per * BK, K)
+
+
+@triton.jit
+def count_split_part(counts, tile):
+    """After a split-K part stored its partial sums: counts it for ``tile`` (acq_rel, so the
+    part that counts last sees every part's sums) and returns how many counted before."""
+    tl.debug_barrier()   # every thread's sums are stored before the count is released
+    done = tl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return done
+
+
+@triton.jit
+def split_total(first, cell, S, SLOT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """The S parts' fp32 [A, B] sums at ``first + j * SLOT + cell``, added in part order (the
+    same sum whichever part counted last)."""
+    total = tl.zeros([A, B], tl.float32)
+    for j in range(0, S):
+        total += tl.load(first + j * SLOT + cell)
+    return total
+
+
+@triton.jit
 def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
                   w_desc, sums, counts, H, I, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, DM: tl.constexpr, UPCAST: tl.constexpr,
@@ -280,26 +309,17 @@ def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act
     signals the block. A block of more than DM rows (wide pieces) runs whole in part 0."""
     vm = meta & 511
     if vm <= DM:
-        steps = H // BK
-        per = (steps + S - 1) // S
-        k_lo = part * per * BK
-        k_hi = tl.minimum(k_lo + per * BK, H)
+        k_lo, k_hi = split_range(part, S, H, BK)
         acc_g, acc_u = l1_acc(mb, 0, nb, meta >> 9, pool_x, w13, a_desc[0], w_desc, H, I, BM,
                               BN, BK, DM, UPCAST, USE_TMA, True, k_lo, k_hi)
         cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
         slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
         tl.store(slot + cell, acc_g)
         tl.store(slot + BN * DM + cell, acc_u)
-        tl.debug_barrier()   # every thread's sums are stored before the count is released
-        done = tl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu")
-        if done == S - 1:
-            tl.debug_barrier()
+        if count_split_part(counts, tile) == S - 1:
             first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
-            sum_g = tl.zeros([BN, DM], tl.float32)
-            sum_u = tl.zeros([BN, DM], tl.float32)
-            for j in range(0, S):
-                sum_g += tl.load(first + j * (2 * BN * DM) + cell)
-                sum_u += tl.load(first + j * (2 * BN * DM) + BN * DM + cell)
+            sum_g = split_total(first, cell, S, 2 * BN * DM, BN, DM)
+            sum_u = split_total(first + BN * DM, cell, S, 2 * BN * DM, BN, DM)
             l1_store(sum_g, sum_u, mb, 0, nb, vm, pool_w, pool_act, I, BM, BN, DM, UPCAST,
                      True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
@@ -664,19 +684,53 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
 
 
 @triton.jit
+def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2,
+                  a_desc, w_desc, sums, counts, off_combine_y, off_combine_flag, H, I, T_MAX, R,
+                  K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  DM: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                  DONE_SCOPE: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """Part ``part`` of S of a decode L2 block's K loop (split-K, ``Tuning.l2_split_k``), as
+    ``l1_split_part``: its fp32 sums [DM, BN] go to ``sums`` slot tile * S + part, and the
+    part that counts last adds the S slots in order, stores the rows into their combine
+    slots and sets the count back to 0 (the caller signals: ``l2_kernel``'s RANK_SIGNAL).
+    A block of more than DM rows (wide pieces) runs whole in part 0."""
+    vm = meta & 511
+    if vm <= DM:
+        k_lo, k_hi = split_range(part, S, I, BK)
+        acc = l2_rows(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN, BK,
+                      DM, UPCAST, USE_TMA, True, k_lo, k_hi)
+        cell = tl.arange(0, DM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(sums + (tile * S + part).to(tl.int64) * (BN * DM) + cell, acc)
+        if count_split_part(counts, tile) == S - 1:
+            total = split_total(sums + (tile * S).to(tl.int64) * (BN * DM), cell, S, BN * DM,
+                                DM, BN)
+            l2_epilogue(total, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        EPI_SPLIT, 0, BM // DM)
+            tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
+    elif part == 0:
+        l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
+                        w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
+                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT)
+
+
+@triton.jit
 def l2_rows(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
             BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-            USE_TMA: tl.constexpr, SWAP: tl.constexpr):
-    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block.
+            USE_TMA: tl.constexpr, SWAP: tl.constexpr, k_lo=0, k_hi=-1):
+    """fp32 [ROWS, BN]: rows r0 .. r0+ROWS-1 of m_block @ w2[e]^T, columns of n_block, over
+    K columns [k_lo, k_hi) (k_hi -1: I; split-K parts, ``l2_split_part``).
     SWAP (decode pieces): computed as w2 tile @ rows^T ([BN, ROWS], the weights as the MMA's
     row operand) and transposed. USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    if k_hi < 0:
+        k_hi = I
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
-    kk = tl.arange(0, BK)
+    kk = k_lo + tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     a_ptrs = pool_act + rows[:, None] * I + kk[None, :]
     w_ptrs = w2 + e.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + kk[None, :]
     acc = zero_acc(ROWS, BN, SWAP)
-    for k0 in range(0, I, BK):
+    for k0 in range(k_lo, k_hi, BK):
         if USE_TMA:
             a = a_desc.load([mb * BM + r0, k0])
             w = weight_tile(w_desc.load([e * H + nb * BN, k0]), SWAP)
@@ -825,13 +879,15 @@ def l2_kernel(
     R: tl.constexpr,           # ranks: the combine-slot stores unroll over them
     AB,                        # FP8: bytes per pool_act row
     ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
+    split_sums, split_counts,  # SPLIT_K > 1: fp32 [local ranks, programs, DM, BN] and
+                               # int32 [local ranks, programs], counts zero between calls
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
     USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
-    HOST_DESC: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     """FP8, W4, HOST_DESC: as ``l1_kernel``; the output tile is rounded to bf16 for the
     combine slots.
@@ -843,12 +899,17 @@ def l2_kernel(
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
     on every rank (system scope); the staged combine waits for R there.
     DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1);
-    with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual."""
+    with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual.
+    SPLIT_K > 1 (bf16 decode pieces, no tail pieces): as ``l1_kernel``'s, S >= 4 programs
+    share each tile's K loop when the call's tiles are at most a quarter of the programs
+    (``l2_split_part``)."""
     tl.static_assert(DM == 0 or (RANK_SIGNAL and (SPLIT_M == 1 or TAIL)),
                      "decode pieces: rank signal")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
+    tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
+                     "split-K: bf16 decode pieces")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
@@ -886,6 +947,26 @@ def l2_kernel(
                 E_LOC * H, BMT, BN, BK)
         else:
             a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
+    if SPLIT_K > 1:
+        S = split_count(total, nprog, SPLIT_K)
+        if S > 1:   # one part per program: total * S <= nprog
+            if pid < total * S:
+                tile = pid // S
+                mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
+                meta = tl.load(block_meta + mb)
+                if WAIT:
+                    ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
+                                       rank, mb, epoch, -1, SCOPE="gpu",
+                                       USE_TIMER=USE_TIMER)
+                if ok:
+                    # this local rank's slots: [local ranks, programs, ...] (stages.l2)
+                    l2_split_part(tile, pid % S, S, mb, nb, NB, meta, table, l2_done, pool_act,
+                                  pool_src, w2, a_desc, w_desc,
+                                  split_sums + (lr * nprog).to(tl.int64) * (BN * DM),
+                                  split_counts + lr * nprog, off_combine_y, off_combine_flag,
+                                  H, I, T_MAX, R, K, BM, BN, BK, DM, UPCAST, USE_TMA,
+                                  DONE_SCOPE, EPI_SPLIT)
+            ticket = total   # the loop below has nothing left
     if FLAT:
         # no waits: one flat loop over (tile, k step), which Triton's pipeliner can prefetch
         # across tiles (the next tile's first loads overlap this tile's epilogue)
