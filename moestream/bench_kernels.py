@@ -185,6 +185,12 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("dec16-split8", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=8,
                                              l2_split_k=8)),
     GemmVariant("dec16-l2nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l2_split_k=1)),
+    # session 23: decode L2 weight tiles 64 rows x 256 columns (512-byte row segments per
+    # load instead of 128): 2 stages (two programs per SM) or 3 (one)
+    GemmVariant("dec16-l2k256s2", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
+                                               l2_block_k=256, l2_stages=2)),
+    GemmVariant("dec16-l2k256s3", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
+                                               l2_block_k=256, l2_stages=3)),
     # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
     # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
     # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)

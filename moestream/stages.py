@@ -296,15 +296,17 @@ class Tuning:
         part was last, and no part waits for another. A program streaming one tile alone is
         bound by its own K loop (session 22: 1-4 qwen3 experts' L1 take 8-9 µs beyond an
         empty launch whatever the count; with 4 parts 12.1-13.2 -> 8.8-11.8 µs in two runs
-        of opposite order). ``decode`` sets 4 in bf16: it applies where a rank's decode call
-        hits few experts (EP4 and up, or few experts per token); an EP2 qwen3 rank at one
-        token has ~96 tiles on 264 programs and does not split. The fused launch ignores it.
-        1: off.
+        of opposite order). ``decode`` sets 4 in bf16. Where it applies: a rank receives
+        about T x top-k picks per call whatever the number of ranks, so at 1 token per rank a
+        top-8 model has ~8 m-blocks on every rank (qwen3: 96 L1 tiles on 264 programs, no
+        split); it splits where few experts are hit (top-k <= 4 at qwen3 dims, a rank whose
+        tokens share experts). The fused launch ignores it. 1: off.
     l2_split_k: the same for the staged bf16 decode L2 (``kernels/gemm.l2_split_part``): a
         part's fp32 sums [decode_rows, block_n] go to the scratch, and the last part adds
         them in order and stores the rows into their combine slots. It applies where a call's
         L2 tiles are at most a quarter of the programs: qwen3 dims up to 4 m-blocks (16
-        column blocks each), dsv3 one (56). ``decode`` sets 4 in bf16. 1: off.
+        column blocks each), dsv3 one (56), mixtral two (32 each, K = 14336: top-2, so a
+        1-token call). ``decode`` sets 4 in bf16; the fused launch ignores it. 1: off.
     """
 
     programs: int = 0
@@ -958,9 +960,10 @@ def _a_rows(cfg, tile_rows: int, dm: int, second: int) -> tuple:
 
 def _split_scratch(buffer: SymmBuffer, tuning: Tuning, gemm: str, split: int,
                    part_shape: tuple) -> tuple:
-    """(sums, counts) of a split-K GEMM (``l1_split_k``, ``l2_split_k``): fp32 partial sums
-    of ``part_shape`` and an int32 count (zero between calls) for up to every program of
-    every local rank; the buffer's table as placeholders when the launch does not split."""
+    """(sums, counts) of a staged split-K GEMM (``l1_split_k``, ``l2_split_k``; ``gemm``: l1
+    or l2): fp32 partial sums of ``part_shape`` and an int32 count (zero between calls) for
+    up to every program of every local rank; the buffer's table as placeholders when the
+    launch does not split."""
     if split == 1:
         return buffer.table, buffer.table
     most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
