@@ -198,10 +198,11 @@ def _plot(rows, names, path) -> None:
                 ax.axhline(floor[0], ls=":", lw=1, color=ax.lines[-1].get_color())
         ax.set_xlabel("weight MB streamed")
         ax.set_ylabel("µs per launch")
-        ax.set_title(f"{kernel}: time vs m-blocks walked (dotted: empty kernel; dashed: "
-                     f"a plain read of the bytes)", fontsize=9)
+        ax.set_title(f"{kernel}: time vs m-blocks walked")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle("dotted: an empty kernel on the GEMM's grid; dashed: a plain read of the "
+                 "same weight bytes", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
