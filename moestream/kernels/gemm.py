@@ -255,10 +255,10 @@ def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr
 @triton.jit
 def split_count(tiles, nprog, SPLIT_K: tl.constexpr):
     """Programs per tile of a split-K GEMM (``l1_split_part``, ``l2_split_part``): the
-    largest power of two S <= SPLIT_K with
-    tiles * S <= nprog, and 1 (no split) unless that is at least 4, decided on the device
-    from this call's m-block count. Two parts measured slower than none (session 22: qwen3,
-    8 blocks of 12 tiles on 264 programs, 17.3-21.2 -> 19.1-21.3 µs), four or more faster."""
+    largest power of two S <= SPLIT_K with tiles * S <= nprog, and 1 (no split) unless that
+    is at least 4, decided on the device from this call's m-block count. Two parts measured
+    slower than none (session 22: qwen3, 8 blocks of 12 tiles on 264 programs, 17.3-21.2 ->
+    19.1-21.3 µs), four or more faster."""
     s = tiles * 0 + 1
     if SPLIT_K >= 4:
         s = tl.where(tiles * 4 <= nprog, 4, s)
