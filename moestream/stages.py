@@ -181,12 +181,6 @@ class Tuning:
         2047 -> 605 / 2018, dsv3 4165 / 11961 -> 4004 / 11615; mixtral 128 555 -> 490 (the
         0 runs spread down to 496); equal within noise at 1 and 128 tokens elsewhere (one
         wave in decode pieces: nothing to reorder).
-    fused_late_l2: in the fused launch an L2 ticket claims the next ticket when it is done
-        instead of when it starts (as dispatch tasks do). Claimed early, the programs that
-        finish their L1 tickets first each take two L2 tickets (the current one and the next)
-        and run them one after the other while other programs find none; where a call has
-        about one L2 ticket per program (decode: mixtral's 64 on 132 programs at 1 token)
-        that doubles the L2's time. Claimed late, each costs the counter's round trip.
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -365,7 +359,6 @@ class Tuning:
     host_descriptors: bool | None = None
     l1_split_k: int = 1
     l2_split_k: int = 1
-    fused_late_l2: bool = False
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
@@ -534,11 +527,9 @@ class Tuning:
             # token: dsv3 279 -> 261 µs, v4flash 157 -> 143, qwen3 73 -> 67; within 1 % at
             # 32-128 tokens)
             tile, chunk, group = 1, 8192, 1
-        late = bool(self.decode_rows)   # about one L2 ticket per program (fused_late_l2)
         return replace(self, l2_block_n=l2n, fused_l2_group=group, dispatch_programs=sms,
                        dispatch_tile=tile, dispatch_eager=True, combine_tile=4, combine_chunk=512,
-                       fused_per_sm=per_sm, wave_blocks=waves, hidden_chunk=chunk,
-                       fused_late_l2=late)
+                       fused_per_sm=per_sm, wave_blocks=waves, hidden_chunk=chunk)
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
@@ -595,9 +586,8 @@ class Tuning:
         if self.l2_tail_rows and self.l2_signal != "rank":
             raise ValueError("Tuning.l2_tail_rows needs l2_signal='rank' (tail pieces of an "
                              "m-block cannot release its rows' combine flags)")
-        for name in ("pdl", "fused_late_l2"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"Tuning.pdl must be a bool, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
             raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
                              f"{self.l2_epilogue_split!r}")
@@ -1192,7 +1182,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
-        L2_LAG=tuning.fused_l2_lag, LATE_L2=tuning.fused_late_l2, **host_kw,
+        L2_LAG=tuning.fused_l2_lag, **host_kw,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs

@@ -299,9 +299,8 @@ def test_bad_granularity_names_what_is_allowed(gen):
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             stages.Tuning(**{name: 1})
     for bad in (1, "on", None):
-        for name in ("pdl", "fused_late_l2"):
-            with pytest.raises(ValueError, match=f"{name} must be a bool"):
-                stages.Tuning(**{name: bad})
+        with pytest.raises(ValueError, match="pdl must be a bool"):
+            stages.Tuning(pdl=bad)
     for bad in (2, -1, True, 1.0):
         with pytest.raises(ValueError, match="fused_l2_lag must be 0 or 1"):
             stages.Tuning(fused_l2_lag=bad)
@@ -888,10 +887,8 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert (f.dispatch_tile, f.hidden_chunk) == (1, 8192)
     assert stages._row_chunks(7168, f.hidden_chunk) == 1
     assert f.fused_l2_group == 1   # decode pieces: an L2 ticket per block
-    assert f.fused_late_l2   # ... each claiming the next ticket when done
     f = stages.fused_tuning(buf, 2048)
     assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
-    assert not f.fused_late_l2
     assert f.fused_l2_group == 4   # bf16, I = 2048: 56 L2 column blocks in 14 tickets
     fp8 = SymmBuffer(cfg.with_(dtype="fp8"), num_ranks=2, device="cpu")
     fp8._launch_constants = dc_replace(stages._constants(fp8), sms=132)
@@ -1034,9 +1031,6 @@ def test_run_staged_marks_each_stage_in_order(gen):
     (3, [24, 0, 17], 5, True, dict(fused_l2_lag=0, fused_l2_group=2, l1_group_m=2)),
     # one rank (R=1: the launch's one set of weights and descriptors), several waves
     (1, [24], 6, True, {}),
-    # L2 tickets claim their successor when done (fused_late_l2): the same order, with a
-    # rank without tokens
-    (3, [24, 0, 17], 5, True, dict(fused_late_l2=True)),
 ])
 def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_per_rank,
                                                           several_waves, extra):

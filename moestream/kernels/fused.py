@@ -136,7 +136,7 @@ def fused_kernel(
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
     L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1, L2_LAG: tl.constexpr = 0,
-    HOST_DESC: tl.constexpr = False, LATE_L2: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
@@ -151,9 +151,7 @@ def fused_kernel(
     (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed.
     HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
     (``stages.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
-    instead of each program building them before its first ticket.
-    LATE_L2: an L2 ticket claims the next ticket when it is done instead of when it starts
-    (``Tuning.fused_late_l2``)."""
+    instead of each program building them before its first ticket."""
     tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
     tl.static_assert(not HOST_DESC or (ONE_RANK and USE_TMA), "host descriptors: one rank")
     _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
@@ -189,12 +187,8 @@ def fused_kernel(
         # program could hold two dispatch tasks and run them one after the other while the
         # first L1 blocks wait for both (session 17: a fifth of the programs did, and the
         # dispatch phase took twice a task's time)
-        # LATE_L2: an L2 ticket claims the next one when it is done, for the same reason: the
-        # programs that finish L1 first would otherwise each hold two L2 tickets, run them
-        # one after the other, and leave other programs without (GEMM tickets claim in
-        # their branch, once it is known which GEMM the ticket is)
         nxt = total
-        if (ticket >= D) & ((not LATE_L2) | (ticket >= D + G)):
+        if ticket >= D:
             nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")   # lands meanwhile
         if TRACE:
             t_start = now_ns(USE_TIMER)
@@ -257,8 +251,6 @@ def fused_kernel(
                 w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
                 w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
             if in_wave < n_mb * NB1:
-                if LATE_L2:   # an L1 ticket claims early
-                    nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 mb, nb = l1_tile_of(in_wave, n_mb, NB1, GROUP_M1)
                 mb += w0
                 meta = tl.load(block_meta + mb)
@@ -319,8 +311,6 @@ def fused_kernel(
                                             EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
                                           off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
-                if LATE_L2:   # done: now the next ticket
-                    nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 phase = ticket * 0 + PHASE_L2
             a = meta >> 9
             b = mb
