@@ -301,15 +301,15 @@ class Tuning:
         top-8 model has ~8 m-blocks on every rank (qwen3: 96 L1 tiles on 264 programs, no
         split); it splits where few experts are hit (top-k <= 4 at qwen3 dims, a rank whose
         tokens share experts). The fused launch ignores it. 1: off.
-    l2_split_k: the same for the staged bf16 decode L2 (``kernels/gemm.l2_split_part``): a
-        part's fp32 sums [decode_rows, block_n] go to the scratch, and the last part adds
-        them in order and stores the rows into their combine slots. It applies where a call's
-        L2 tiles are at most a quarter of the programs: qwen3 dims up to 4 m-blocks (16
-        column blocks each), dsv3 one (56), mixtral two (32 each, K = 14336: top-2, so a
-        1-token call; session 23: its L2 at 1 / 2 blocks 61.3 / 78.7 -> 37.0 / 63.3 µs, the
-        layer at 1 token 201 -> 192). ``decode`` sets 4 in bf16. The fused launch ignores it
-        (its L2 tickets in two parts measured slower at mixtral's 1 token: 217 -> 239 µs,
-        session 23). 1: off.
+    l2_split_k: the same for the bf16 decode L2 (``kernels/gemm.l2_split_part``): a part's
+        fp32 sums [decode_rows, block_n] go to the scratch, and the last part adds them in
+        order and stores the rows into their combine slots. It applies where a call's L2
+        tiles are at most a quarter of the programs: qwen3 dims up to 4 m-blocks (16 column
+        blocks each), dsv3 one (56), mixtral two (32 each, K = 14336: top-2, so a 1-token
+        call; session 23: its L2 at 1 / 2 blocks 61.3 / 78.7 -> 37.0 / 63.3 µs, the layer
+        at 1 token 201 -> 192). The fused launch splits its L2 tickets the same way (each
+        tile's parts on consecutive tickets), into two parts already where K is long
+        (``fused_min_split``). ``decode`` sets 4 in bf16. 1: off.
     """
 
     programs: int = 0
@@ -962,14 +962,15 @@ def _a_rows(cfg, tile_rows: int, dm: int, second: int) -> tuple:
 
 
 def _split_scratch(buffer: SymmBuffer, tuning: Tuning, gemm: str, split: int,
-                   part_shape: tuple) -> tuple:
-    """(sums, counts) of a staged split-K GEMM (``l1_split_k``, ``l2_split_k``; ``gemm``: l1
-    or l2): fp32 partial sums of ``part_shape`` and an int32 count (zero between calls) for
-    up to every program of every local rank; the buffer's table as placeholders when the
-    launch does not split."""
+                   part_shape: tuple, per_sm: int | None = None) -> tuple:
+    """(sums, counts) of a split-K GEMM (``l1_split_k``, ``l2_split_k``; ``gemm`` names
+    them: l1, l2, fused_l2): fp32 partial sums of ``part_shape`` and an int32 count (zero
+    between calls) for up to every program of every local rank (``per_sm``: programs per SM
+    asked for, default ``gemm_per_sm``); the buffer's table as placeholders when the launch
+    does not split."""
     if split == 1:
         return buffer.table, buffer.table
-    most = buffer.local_ranks * _programs(buffer, tuning, tuning.gemm_per_sm)
+    most = buffer.local_ranks * _programs(buffer, tuning, per_sm or tuning.gemm_per_sm)
     return (buffer.scratch(f"{gemm}_split_sums", (most, *part_shape), torch.float32),
             buffer.scratch(f"{gemm}_split_counts", (most,), torch.int32))
 
@@ -1110,6 +1111,14 @@ def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequen
 STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 
 
+def fused_min_split(cfg) -> int:
+    """Fewest split-K parts of the fused launch's L2 tiles (``kernels/gemm.split_count``'s
+    MIN_S): 2 where the L2's K loop is long (intermediate >= 8192: mixtral's 14336, whose
+    1-token call has 64 L2 tiles on 132 programs), else 4 (two parts of a short K loop
+    measured slower than none, session 22)."""
+    return 2 if cfg.intermediate >= 8192 else 4
+
+
 def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     """Most tickets one fused launch can hand out (sizes a trace buffer)."""
     cfg = buffer.config
@@ -1118,6 +1127,9 @@ def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     T = cfg.max_tokens_per_rank
     per_rank = (buffer.num_ranks * T + cdiv(T, tuning.combine_tile) * tuning.combine_parts
                 + cfg.max_m_blocks(buffer.num_ranks) * nb12)
+    if tuning.l2_split_k > 1 and tuning.decode_pieces(cfg) and cfg.dtype == "bf16":
+        # split-K parts: a split launch's L2 tiles x parts are at most its programs
+        per_rank += _programs(buffer, tuning, tuning.fused_per_sm)
     return buffer.local_ranks * per_rank
 
 
@@ -1160,6 +1172,9 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     descs2, _ = host_descriptors(
         buffer, tuning, tma, region="pool_act", cols=I, w=w2s[0][0] if fp8 else w2s[0],
         w_shape=(E_LOC * H, I), a_rows=rows, block_n=bn2, block_k=bk2)
+    split = tuning.l2_split_k if dm and not fp8 else 1
+    sums, counts = _split_scratch(buffer, tuning, "fused_l2", split, (dm, bn2),
+                                  tuning.fused_per_sm)
     args = (
         buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
@@ -1172,7 +1187,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
         c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.dispatch_tokens,
-        tuning.chunk_blocks, tuning.combine_parts, *descs1, *descs2)
+        tuning.chunk_blocks, tuning.combine_parts, *descs1, *descs2, sums, counts)
     kw = dict(
         K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD, E_PAD=c.E_PAD, NLOC_PAD=next_pow2(nloc),
         BM=cfg.block_m, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2,
@@ -1182,7 +1197,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
-        L2_LAG=tuning.fused_l2_lag, **host_kw,
+        L2_LAG=tuning.fused_l2_lag, SPLIT_K=split, MIN_SPLIT=fused_min_split(cfg), **host_kw,
         **_launch_kw(tuning.fused_warps or tuning.l1_warps,
                             tuning.fused_stages or tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs

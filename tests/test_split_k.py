@@ -1,7 +1,9 @@
-"""Split-K in the staged decode GEMMs (``Tuning.l1_split_k``, ``l2_split_k``): when a call's
-tiles of one GEMM are at most a quarter of the programs, S >= 4 programs share one tile's K
-loop, write fp32 partial sums to a scratch of the buffer, and the last part adds them in
-order and finishes the tile (L1: SwiGLU into pool_act; L2: the rows into their combine slots).
+"""Split-K in the decode GEMMs (``Tuning.l1_split_k``, ``l2_split_k``): when a call's tiles of
+one GEMM are at most a quarter of the programs, S >= 4 programs share one tile's K loop, write
+fp32 partial sums to a scratch of the buffer, and the last part adds them in order and
+finishes the tile (L1: SwiGLU into pool_act; L2: the rows into their combine slots). The
+staged L1 and L2 split; the fused launch splits its L2 tickets (each tile's parts on
+consecutive tickets, the last part also signalling the block's rows).
 
 The interpreter runs the programs one after another, so these cases check the arithmetic
 (K ranges, slots, the sum, the epilogue), the device's choice of S, blocks that stay whole
@@ -42,9 +44,9 @@ def assert_parts_ran(buf: SymmBuffer, gemm: str) -> None:
 
 
 def split_in(gemm: str, tuning: stages.Tuning) -> stages.Tuning:
-    """A case written for the L1 (``l1_split_k``, programs for its tiles), moved to ``gemm``:
-    the L2 has twice the L1's column blocks in these configs (hidden 256 / 64 against
-    intermediate 128 / 64), so twice the programs give it the same S."""
+    """A case written for the L1 (``l1_split_k``, programs for its tiles), moved to ``gemm``
+    (l2, fused_l2): the L2 has twice the L1's column blocks in these configs (hidden 256 / 64
+    against intermediate 128 / 64), so twice the programs give it the same S."""
     if gemm == "l1":
         return tuning
     return replace(tuning, l1_split_k=1, l2_split_k=tuning.l1_split_k,
@@ -96,7 +98,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("gemm", ["l1", "l2"])
+@pytest.mark.parametrize("gemm", ["l1", "l2", "fused_l2"])
 @pytest.mark.parametrize("cfg_changes, Ts, tuning, routing", CASES,
                          ids=["T1-s4", "T1-s8-host", "T2-pointers-empty-parts", "mixed-blocks",
                               "every-part-a-step", "two-ranks"])
@@ -106,26 +108,43 @@ def test_split_k_computes_the_same_layer(device, gen, gemm, cfg_changes, Ts, tun
     cfg = small_config(**{"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4,
                           **cfg_changes})
     buf = check_tuned_layer(cfg, Ts, split_in(gemm, tuning), gen, device,
-                            routing=tail_routing(gen) if routing else every_pick(cfg, gen))
+                            routing=tail_routing(gen) if routing else every_pick(cfg, gen),
+                            impl="fused" if gemm.startswith("fused") else "staged")
     assert_parts_ran(buf, gemm)
 
 
-@pytest.mark.parametrize("split_k", [4, 8, 16])
-def test_split_count_is_the_largest_power_of_two_that_fits(split_k):
-    # the device's choice of S (kernels/gemm.split_count) against its rule written in
-    # Python: the largest power of two <= split_k with tiles * S <= programs, 1 below 4
-    tiles = torch.arange(1, 129, dtype=torch.int32)
-    out = torch.zeros_like(tiles)
-    _split_counts[(1,)](tiles, out, 132, N=128, SPLIT_K=split_k)
-    for t, got in zip(tiles.tolist(), out.tolist()):
-        s = max([p for p in (2, 4, 8, 16) if p <= split_k and t * p <= 132], default=1)
-        assert got == (s if s >= 4 else 1), (t, got)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fused_l2_in_two_parts_where_k_is_long(device, gen, monkeypatch):
+    # fused_min_split is 2 from intermediate 8192 (mixtral), too large for the interpreter:
+    # patched to 2 here, 16 programs for 4-8 L2 tiles (T = 1, one or two 1-row blocks x 4
+    # column blocks) leave room for 2 parts only where there are 8 tiles, else 4; both
+    # compute the layer, and the run must have split
+    monkeypatch.setattr(stages, "fused_min_split", lambda cfg: 2)
+    cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
+    tuning = stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l2_split_k=4,
+                           programs=16)
+    buf = check_tuned_layer(cfg, [1], tuning, gen, device, routing=every_pick(cfg, gen),
+                            impl="fused")
+    assert_parts_ran(buf, "fused_l2")
 
 
 @triton.jit
-def _split_counts(tiles_ptr, out_ptr, nprog, N: tl.constexpr, SPLIT_K: tl.constexpr):
+def _split_counts(tiles_ptr, out_ptr, nprog, N: tl.constexpr, SPLIT_K: tl.constexpr,
+                  MIN_S: tl.constexpr):
     t = tl.load(tiles_ptr + tl.arange(0, N))
-    tl.store(out_ptr + tl.arange(0, N), split_count(t, nprog, SPLIT_K))
+    tl.store(out_ptr + tl.arange(0, N), split_count(t, nprog, SPLIT_K, MIN_S))
+
+
+@pytest.mark.parametrize("split_k, min_s", [(4, 4), (8, 4), (16, 4), (4, 2), (16, 2)])
+def test_split_count_is_the_largest_power_of_two_that_fits(split_k, min_s):
+    # the device's choice of S (kernels/gemm.split_count) against its rule written in
+    # Python: the largest power of two <= split_k with tiles * S <= programs, 1 below min_s
+    tiles = torch.arange(1, 129, dtype=torch.int32)
+    out = torch.zeros_like(tiles)
+    _split_counts[(1,)](tiles, out, 132, N=128, SPLIT_K=split_k, MIN_S=min_s)
+    for t, got in zip(tiles.tolist(), out.tolist()):
+        s = max([p for p in (2, 4, 8, 16) if p <= split_k and t * p <= 132], default=1)
+        assert got == (s if s >= min_s else 1), (t, got)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

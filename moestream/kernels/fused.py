@@ -5,7 +5,8 @@ Programs take tickets from an atomic counter, in the dependency order of
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
-        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (L2_LAG 1, what
+        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (with split-K each
+        block's S2 parts in a row) (L2_LAG 1, what
         ``Tuning.fused_l2_lag`` passes by default: the previous wave's L2 blocks; the last
         wave's after all L1 blocks)
     every combine task (local rank, CT tokens from token j * CT, column part p of CP)
@@ -25,7 +26,8 @@ FP8 (constexpr): as the staged kernels' FP8 (gemm.py): byte rows of e4m3 values 
 weight tables), kernels/gemm_fp8.py's block math, bf16 L2 rows and combine.
 
 Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
-blocks (per local rank total m-blocks x (NB1 + NB2)), C = combine tasks.
+blocks (per local rank total m-blocks x (NB1 + T2); T2 = NB2 L2 tickets x S2 split-K parts),
+C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
 (a, b, c) = (source, first token, -1) for dispatch, (expert, m-block, n-block) for L1/L2 and
 (first token, column part, -1) for combine.
@@ -38,7 +40,8 @@ from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, t
 from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
-                   l2_either_block, pool_piece_descriptors, signal_block_rows)
+                   l2_either_block, l2_split_part, pool_piece_descriptors, signal_block_rows,
+                   split_count)
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -48,10 +51,10 @@ PHASE_COMBINE = tl.constexpr(3)
 
 
 @triton.jit
-def _sections(table, rank0, NLOC, par64, NB12, DT, CT, CP, off_src_tokens, off_block_start,
+def _sections(table, rank0, NLOC, par64, DT, CT, CP, off_src_tokens, off_block_start,
               off_num_tokens, R, E_LOC, NLOC_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Per local rank: dispatch tasks (DT source tokens each), GEMM blocks and combine
-    tasks (CT tokens and one of CP column parts each) of this call."""
+    """Per local rank: dispatch tasks (DT source tokens each), m-blocks and combine tasks
+    (CT tokens and one of CP column parts each) of this call."""
     lv = tl.arange(0, NLOC_PAD)
     lm = lv < NLOC
     sv = tl.arange(0, R_PAD)
@@ -61,7 +64,7 @@ def _sections(table, rank0, NLOC, par64, NB12, DT, CT, CP, off_src_tokens, off_b
                       mask=lm[:, None] & (sv[None, :] < R), other=0)
     d = tl.sum((src_tok + DT - 1) // DT, axis=1)
     g = tl.load(peer_ptrs(table, ranks, off_block_start + E_LOC * 4, lm, tl.int32), mask=lm,
-                other=0) * NB12
+                other=0)
     c = tl.load(peer_ptrs(table, ranks, off_num_tokens + par64 * 4, lm, tl.int32), mask=lm,
                 other=0)
     return d, g, (c + CT - 1) // CT * CP
@@ -127,6 +130,8 @@ def fused_kernel(
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
     CP,                             # column parts per combine task of CT tokens
     hd1a, hd1b, hd1w, hd2a, hd2b, hd2w,   # HOST_DESC: L1 / L2 descriptors (A, A wide, w)
+    split_sums, split_counts,       # SPLIT_K > 1: fp32 [NLOC, programs, DM, BN2] and int32
+                                    # [NLOC, programs], counts zero between calls
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     NLOC_PAD: tl.constexpr, BM: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
@@ -136,7 +141,7 @@ def fused_kernel(
     DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
     L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1, L2_LAG: tl.constexpr = 0,
-    HOST_DESC: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, MIN_SPLIT: tl.constexpr = 4,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
     within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
@@ -151,15 +156,25 @@ def fused_kernel(
     (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed.
     HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
     (``stages.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
-    instead of each program building them before its first ticket."""
+    instead of each program building them before its first ticket.
+    SPLIT_K > 1 (bf16 decode pieces): when the launch's L2 tiles are at most 1 / MIN_SPLIT
+    of the programs, each L2 tile is S2 >= MIN_SPLIT tickets in a row, one split-K part each
+    (``gemm.l2_split_part``: the part that counts last stores the rows and signals them; no
+    part waits for another)."""
     tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
     tl.static_assert(not HOST_DESC or (ONE_RANK and USE_TMA), "host descriptors: one rank")
-    _, _, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
+    tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8), "split-K: bf16 decode pieces")
+    _, nprog, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
-    NB2 = H // BN2 // L2G   # L2 tickets per m-block
-    d_v, g_v, c_v = _sections(table, rank0, NLOC, par64, NB1 + NB2, DT, CT, CP, off_src_tokens,
-                              off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
+    NB2 = H // BN2 // L2G   # L2 tiles per m-block
+    d_v, mb_v, c_v = _sections(table, rank0, NLOC, par64, DT, CT, CP, off_src_tokens,
+                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
+    S2 = nprog * 0 + 1   # tickets per L2 tile (split-K parts)
+    if SPLIT_K > 1:
+        S2 = split_count(tl.sum(mb_v, axis=0) * NB2, nprog, SPLIT_K, MIN_SPLIT)
+    T2 = NB2 * S2        # L2 tickets per m-block
+    g_v = mb_v * (NB1 + T2)
     D = tl.sum(d_v, axis=0)
     G = tl.sum(g_v, axis=0)
     total = D + G + tl.sum(c_v, axis=0)
@@ -187,8 +202,16 @@ def fused_kernel(
         # program could hold two dispatch tasks and run them one after the other while the
         # first L1 blocks wait for both (session 17: a fifth of the programs did, and the
         # dispatch phase took twice a task's time)
+        # In a launch whose L2 tiles are split (S2 > 1) a GEMM ticket claims in its branch:
+        # an L1 ticket at once, an L2 part when it is done, for the dispatch tasks' reason:
+        # the programs that finish their L1 tickets first would each hold two parts (the
+        # current one and the next), run them one after the other, and leave the programs
+        # still in L1 with none (session 23: mixtral at 1 token, 64 tiles in 128 parts)
         nxt = total
-        if ticket >= D:
+        claim_now = ticket >= D
+        if SPLIT_K > 1:
+            claim_now = claim_now & ((ticket >= D + G) | (S2 == 1))
+        if claim_now:
             nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")   # lands meanwhile
         if TRACE:
             t_start = now_ns(USE_TIMER)
@@ -223,27 +246,27 @@ def fused_kernel(
             wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
             if L2_LAG == 0:
                 # the expert wave of the block: waves start at m-block wave_mb[w], and wave
-                # w's tickets start at wave_mb[w] * (NB1 + NB2)
+                # w's tickets start at wave_mb[w] * (NB1 + T2)
                 ends = tl.load(wave_mb + 1 + ev, mask=ev < n_waves, other=2147483647)
-                # ends * (NB1 + NB2) <= local, without the product (2**31 - 1 past the end)
-                w = tl.sum((ends <= local // (NB1 + NB2)).to(tl.int32), axis=0)
+                # ends * (NB1 + T2) <= local, without the product (2**31 - 1 past the end)
+                w = tl.sum((ends <= local // (NB1 + T2)).to(tl.int32), axis=0)
                 w0 = tl.load(wave_mb + w)
                 l2_mb0 = w0  # the L2 blocks that follow are the same wave's
                 n_mb = tl.load(wave_mb + w + 1) - w0
-                in_wave = local - w0 * (NB1 + NB2)
+                in_wave = local - w0 * (NB1 + T2)
             else:
                 # segment s: wave s's L1 blocks, then wave s - 1's L2 blocks (segment 0: no
                 # L2, segment n_waves: no L1); it starts at wave_mb[s] * NB1 + wave_mb[s - 1]
-                # * NB2 (wave_mb[0] = 0)
+                # * T2 (wave_mb[0] = 0)
                 sv = ev + 1
                 sm = ev < n_waves
                 starts = tl.where(sm, tl.load(wave_mb + sv, mask=sm, other=0) * NB1
-                                  + tl.load(wave_mb + ev, mask=sm, other=0) * NB2, 2147483647)
+                                  + tl.load(wave_mb + ev, mask=sm, other=0) * T2, 2147483647)
                 w = tl.sum((starts <= local).to(tl.int32), axis=0)
                 w0 = tl.load(wave_mb + w)
                 l2_mb0 = tl.load(wave_mb + tl.maximum(w - 1, 0))
                 n_mb = tl.load(wave_mb + tl.minimum(w + 1, n_waves)) - w0
-                in_wave = local - w0 * NB1 - l2_mb0 * NB2
+                in_wave = local - w0 * NB1 - l2_mb0 * T2
             block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
             if ONE_RANK:
                 w13, w13_s, w2, w2_s = w13_0, w13s_0, w2_0, w2s_0
@@ -251,6 +274,8 @@ def fused_kernel(
                 w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8)
                 w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8)
             if in_wave < n_mb * NB1:
+                if SPLIT_K > 1 and S2 > 1:   # an L1 ticket claims early (see above)
+                    nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 mb, nb = l1_tile_of(in_wave, n_mb, NB1, GROUP_M1)
                 mb += w0
                 meta = tl.load(block_meta + mb)
@@ -282,8 +307,8 @@ def fused_kernel(
                 phase = ticket * 0 + PHASE_L1
             else:
                 in_l2 = in_wave - n_mb * NB1
-                mb = l2_mb0 + in_l2 // NB2
-                nb = in_l2 % NB2
+                mb = l2_mb0 + in_l2 // T2
+                nb = in_l2 % T2 // S2   # split-K: the tile's S2 parts in a row
                 meta = tl.load(block_meta + mb)
                 ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
@@ -297,7 +322,16 @@ def fused_kernel(
                     l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
                     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
                     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
-                    if L2G == 1:
+                    # (SPLIT_K first: a constexpr False leaves the branch uncompiled, where
+                    # a2 is no pair of decode descriptors)
+                    if SPLIT_K > 1 and S2 > 1:   # the rank's slots: tile mb * NB2 + nb
+                        l2_split_part(mb * NB2 + nb, in_l2 % S2, S2, mb, nb, NB2, meta, table,
+                                      l2_done, pool_act, pool_src, w2, a2, wd2,
+                                      split_sums + (lr * nprog).to(tl.int64) * (BN2 * DM),
+                                      split_counts + lr * nprog, off_combine_y,
+                                      off_combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
+                                      UPCAST, USE_TMA, DONE_SCOPE, EPI2, True)
+                    elif L2G == 1:
                         l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
                                         pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
                                         off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
@@ -311,6 +345,8 @@ def fused_kernel(
                                             EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
                                           off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
+                if SPLIT_K > 1 and S2 > 1:   # a split part claims when done (see above)
+                    nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 phase = ticket * 0 + PHASE_L2
             a = meta >> 9
             b = mb

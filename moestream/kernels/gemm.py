@@ -253,13 +253,16 @@ def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr
 
 
 @triton.jit
-def split_count(tiles, nprog, SPLIT_K: tl.constexpr):
+def split_count(tiles, nprog, SPLIT_K: tl.constexpr, MIN_S: tl.constexpr = 4):
     """Programs per tile of a split-K GEMM (``l1_split_part``, ``l2_split_part``): the
     largest power of two S <= SPLIT_K with tiles * S <= nprog, and 1 (no split) unless that
-    is at least 4, decided on the device from this call's m-block count. Two parts measured
-    slower than none (session 22: qwen3, 8 blocks of 12 tiles on 264 programs, 17.3-21.2 ->
-    19.1-21.3 µs), four or more faster."""
+    is at least MIN_S, decided on the device from this call's m-block count. Two parts
+    measured slower than none where K is short (session 22: qwen3's L1, K = 2048, 8 blocks
+    of 12 tiles on 264 programs, 17.3-21.2 -> 19.1-21.3 µs), four or more faster; MIN_S 2 is
+    for long K loops (the fused launch's mixtral L2, K = 14336)."""
     s = tiles * 0 + 1
+    if MIN_S <= 2 and SPLIT_K >= 2:
+        s = tl.where(tiles * 2 <= nprog, 2, s)
     if SPLIT_K >= 4:
         s = tl.where(tiles * 4 <= nprog, 4, s)
     if SPLIT_K >= 8:
@@ -689,12 +692,14 @@ def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, poo
                   a_desc, w_desc, sums, counts, off_combine_y, off_combine_flag, H, I, T_MAX, R,
                   K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   DM: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                  DONE_SCOPE: tl.constexpr, EPI_SPLIT: tl.constexpr):
+                  DONE_SCOPE: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                  SIGNAL_ROWS: tl.constexpr = False):
     """Part ``part`` of S of a decode L2 block's K loop (split-K, ``Tuning.l2_split_k``), as
     ``l1_split_part``: its fp32 sums [DM, BN] go to ``sums`` slot tile * S + part, and the
     part that counts last adds the S slots in order, stores the rows into their combine
-    slots and sets the count back to 0 (the caller signals: ``l2_kernel``'s RANK_SIGNAL).
-    A block of more than DM rows (wide pieces) runs whole in part 0."""
+    slots and sets the count back to 0. The caller signals (``l2_kernel``'s RANK_SIGNAL), or
+    with SIGNAL_ROWS the part that stores the block's rows does (the fused launch, as
+    ``l2_decode_block``). A block of more than DM rows (wide pieces) runs whole in part 0."""
     vm = meta & 511
     if vm <= DM:
         k_lo, k_hi = split_range(part, S, I, BK)
@@ -709,10 +714,13 @@ def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, poo
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                         EPI_SPLIT, 0, BM // DM)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
+            if SIGNAL_ROWS:
+                signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag,
+                                  T_MAX, K, BM, DONE_SCOPE)
     elif part == 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
-                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT)
+                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, False, 0, 1, SIGNAL_ROWS)
 
 
 @triton.jit
