@@ -308,8 +308,9 @@ class Tuning:
         blocks each), dsv3 one (56), mixtral two (32 each, K = 14336: top-2, so a 1-token
         call; session 23: its L2 at 1 / 2 blocks 61.3 / 78.7 -> 37.0 / 63.3 µs, the layer
         at 1 token 201 -> 192). The fused launch splits its L2 tickets the same way (each
-        tile's parts on consecutive tickets), into two parts already where K is long
-        (``fused_min_split``). ``decode`` sets 4 in bf16. 1: off.
+        tile's parts on consecutive tickets, a part claiming the next ticket when done), into
+        two parts already where K is long (``fused_min_split``; mixtral at 1 token 213 -> 204
+        µs, session 23). ``decode`` sets 4 in bf16. 1: off.
     """
 
     programs: int = 0
@@ -1114,8 +1115,8 @@ STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 def fused_min_split(cfg) -> int:
     """Fewest split-K parts of the fused launch's L2 tiles (``kernels/gemm.split_count``'s
     MIN_S): 2 where the L2's K loop is long (intermediate >= 8192: mixtral's 14336, whose
-    1-token call has 64 L2 tiles on 132 programs), else 4 (two parts of a short K loop
-    measured slower than none, session 22)."""
+    1-token call has 64 L2 tiles on 132 programs; session 23: 213 -> 204 µs), else 4 (two
+    parts of a short K loop measured slower than none, session 22)."""
     return 2 if cfg.intermediate >= 8192 else 4
 
 
