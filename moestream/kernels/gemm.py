@@ -273,6 +273,18 @@ def split_count(tiles, nprog, SPLIT_K: tl.constexpr, MIN_S: tl.constexpr = 4):
 
 
 @triton.jit
+def split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """A staged split-K launch of ``total`` tiles: (S, tile, m-block, n-block, its meta) of
+    program ``pid``, which runs part pid % S of that tile (``split_count``; S = 1: no split;
+    a tile >= total: no part for this program, meta 0)."""
+    S = split_count(total, nprog, SPLIT_K)
+    tile = pid // S
+    mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
+    return S, tile, mb, nb, tl.load(block_meta + mb, mask=tile < total, other=0)
+
+
+@triton.jit
 def split_range(part, S, K, BK: tl.constexpr):
     """K columns [k_lo, k_hi) of split-K part ``part`` of S: whole BK steps, the parts past
     the last step empty."""
@@ -582,12 +594,10 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
     if SPLIT_K > 1:
-        S = split_count(total, nprog, SPLIT_K)
+        S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
+                                           GROUP_M)
         if S > 1:   # one part per program: total * S <= nprog
-            if pid < total * S:
-                tile = pid // S
-                mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
-                meta = tl.load(block_meta + mb)
+            if tile < total:
                 if WAIT:
                     ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
                                        timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
@@ -957,12 +967,10 @@ def l2_kernel(
         else:
             a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
     if SPLIT_K > 1:
-        S = split_count(total, nprog, SPLIT_K)
+        S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
+                                           GROUP_M)
         if S > 1:   # one part per program: total * S <= nprog
-            if pid < total * S:
-                tile = pid // S
-                mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
-                meta = tl.load(block_meta + mb)
+            if tile < total:
                 if WAIT:
                     ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
                                        rank, mb, epoch, -1, SCOPE="gpu",
