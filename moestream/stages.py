@@ -461,10 +461,9 @@ class Tuning:
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
         more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), L1 and L2 two
-        programs per SM
-        (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in
-        3 stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs,
-        dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
+        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in 3
+        stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs, dsv3
+        equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
         parts = _row_chunks(cfg.token_bytes // 2, self.hidden_chunk)   # every chunk of a row
         if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact),

@@ -5,10 +5,9 @@ Programs take tickets from an atomic counter, in the dependency order of
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
-        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (with split-K each
-        block's S2 parts in a row) (L2_LAG 1, what
+        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (L2_LAG 1, what
         ``Tuning.fused_l2_lag`` passes by default: the previous wave's L2 blocks; the last
-        wave's after all L1 blocks)
+        wave's after all L1 blocks; with split-K each block's S2 parts in a row)
     every combine task (local rank, CT tokens from token j * CT, column part p of CP)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
