@@ -594,6 +594,8 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
     if SPLIT_K > 1:
+        # (with S = 1, nb and meta are again this program's first ticket's, as the loop
+        # below expects them)
         S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
                                            GROUP_M)
         if S > 1:   # one part per program: total * S <= nprog
@@ -967,6 +969,8 @@ def l2_kernel(
         else:
             a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
     if SPLIT_K > 1:
+        # (with S = 1, nb and meta are again this program's first ticket's, as the loop
+        # below expects them)
         S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
                                            GROUP_M)
         if S > 1:   # one part per program: total * S <= nprog
