@@ -625,3 +625,16 @@ def test_fit_line_gives_intercept_and_slope() -> None:
     assert mod.fit_line([(0, 7.0), (100, 32.0), (200, 57.0)]) == pytest.approx((7.0, 0.25))
     with pytest.raises(ValueError, match="two or more distinct x"):
         mod.fit_line([(1, 2.0), (1, 3.0)])
+
+
+def test_bench_weights_are_drawn_per_expert_reproducibly():
+    # the EP bench draws its weights on the device, one expert at a time: same seed -> same
+    # weights, every expert drawn (none left empty), and the std the scale asks for
+    from moestream.bench_ep import _randn_bf16
+    draw = lambda seed: _randn_bf16((5, 64, 96), 0.5, torch.Generator().manual_seed(seed), "cpu")
+    a, b, c = draw(3), draw(3), draw(4)
+    assert a.dtype == torch.bfloat16 and a.shape == (5, 64, 96)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    for e in range(5):
+        assert abs(a[e].float().std().item() - 0.5) < 0.03, e
+    assert not torch.equal(a[0], a[1])   # each expert its own draw
