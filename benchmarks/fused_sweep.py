@@ -45,22 +45,16 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
 
     from moestream import MoEConfig, SymmBuffer, mega_moe, stages
     from moestream.bench import slowest, time_cuda
-    from moestream.bench_ep import _capture, _inputs
+    from moestream.bench_ep import _capture, _weights_and_inputs
     from moestream.testing import TOLERANCE, rel_error
 
     dev = torch.device("cuda", rank)
     rows = []
     for shape in shapes:
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
-        g = torch.Generator().manual_seed(seed + 17 * rank)
-        e_loc = cfg.experts_per_rank(world)
-        w13 = (torch.randn(e_loc, 2 * cfg.intermediate, cfg.hidden, generator=g)
-               * cfg.hidden ** -0.5).bfloat16().to(dev)
-        w2 = (torch.randn(e_loc, cfg.hidden, cfg.intermediate, generator=g)
-              * cfg.intermediate ** -0.5).bfloat16().to(dev)
         buf = SymmBuffer(cfg, group=dist.group.WORLD)
-        for T in tokens:
-            sets = _inputs(cfg, T, g, dev, skew=None, sets=4)
+        # the EP bench's weights and inputs (weights drawn on the device)
+        for w13, w2, T, sets in _weights_and_inputs(cfg, world, rank, seed, tokens, dev, None):
             ref = None
             for name, over in variants:
                 impl = "staged" if name == "staged" else "fused"

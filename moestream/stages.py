@@ -496,9 +496,11 @@ class Tuning:
             return self
         cfg = buffer.config
         l2n = 128 if cfg.hidden % 128 == 0 else self.l2_tile(cfg)[0]
-        # decode pieces: two programs per SM (~100 KB of shared memory each), unless the L2
-        # has fewer blocks than that (mixtral: 4 experts x 32 column blocks of K = 14336,
-        # which then share SMs while others idle; session 15: 473 vs 518 µs at 8 tokens)
+        # decode pieces: two programs per SM (~100 KB of shared memory each). Mixtral's L2 has
+        # fewer blocks than that (4 experts x 32 column blocks of K = 14336 at EP2): it ran
+        # one program per SM while its L2 was unsplit (session 15: 473 vs 518 µs at 8 tokens);
+        # with split-K L2 tiles two are faster (session 24, 2x H200, 1 / 8 / 32 tokens: 208.7
+        # / 412.1 / 420.5 -> 197.2 / 357.6 / 371.0 µs, staged 200.0 / 363.5 / 371.6)
         per_sm = 1
         waves = self.wave_blocks
         # dispatch tiles of 4 tokens, or 8 where for_call picks them for large calls (session
@@ -512,8 +514,7 @@ class Tuning:
         # mixtral, I = 14336: two 2790 -> 2824, not grouped)
         group = fused_l2_group_for(cfg, l2n)
         if self.decode_rows:
-            l2_blocks = cfg.experts_per_rank(buffer.num_ranks) * (cfg.hidden // l2n)
-            per_sm = 2 if l2_blocks >= 2 * sms else 1
+            per_sm = 2
             # one wave: with a wave of one L1 block per SM, the programs past the first SMs'
             # worth took the wave's L2 tickets at once and spun until its L1 ended (session
             # 15: 67-69 % of the L2 blocks' time at qwen3 128 tokens). A decode call reuses

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moestream import stages
+from moestream import MoEConfig, stages
 from moestream.buffer import SymmBuffer
 from moestream.kernels._common import tl, triton
 from moestream.kernels.gemm import split_count
@@ -171,3 +171,17 @@ def test_split_k_must_be_a_power_of_two_up_to_16(field):
     for bad in (0, 2, 3, 32, True, 4.0):   # 2: two parts measured slower than none
         with pytest.raises(ValueError, match=f"{field} must be 1"):
             stages.Tuning(**{field: bad})
+
+
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3", "dsv3"])
+def test_fused_decode_runs_two_programs_per_sm(shape):
+    # the fused launch's GPU defaults in decode pieces: two programs per SM at every shape,
+    # mixtral's few long L2 tiles included now that they split (stages.for_fused; one
+    # program per SM there was 15 % slower at 8 tokens on 2x H200, session 24); larger
+    # calls keep one (their L1 tiles are 8-warp 128x256)
+    from types import SimpleNamespace
+    cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64)
+    base = stages.Tuning.hopper(cfg.block_m, hidden=cfg.hidden, intermediate=cfg.intermediate)
+    fake = SimpleNamespace(config=cfg, num_ranks=2)
+    assert base.decode(16, cfg).for_fused(fake, sms=132).fused_per_sm == 2
+    assert base.for_fused(fake, sms=132).fused_per_sm == 1
