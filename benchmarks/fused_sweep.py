@@ -62,6 +62,9 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
                                                                **over)
                 graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf,
                                                            impl=impl, tuning=tuning))
+                # poisoned first: a variant that leaves rows unwritten cannot pass as the
+                # first one's output left in memory the graphs share
+                graphs[0][1].fill_(float("nan"))
                 graphs[0][0].replay()
                 torch.cuda.synchronize()
                 buf.check()
