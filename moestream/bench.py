@@ -26,7 +26,7 @@ import torch
 from .config import SHAPES, MoEConfig
 
 __all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
-           "expected_touched_experts", "result_row", "append_rows", "load_rows", "print_table",
+           "routing_floors", "expected_touched_experts", "result_row", "append_rows", "load_rows", "print_table",
            "plot_rows"]
 
 # Rates measured on this project's 2x H200 SXM (NV18), BENCHMARKS.md "Calibration".
@@ -230,10 +230,7 @@ def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_
         raise ValueError(f"tokens_per_rank must be an int >= 0, got {tokens_per_rank!r}")
     if dtype not in _BYTES:
         raise ValueError(f"dtype must be one of {FLOOR_DTYPES}, got {dtype!r}")
-    missing = [k for k in ("bf16_tflops", "fp8_tflops", "weights_tbps", "link_gbps")
-               if k not in calib]
-    if missing:
-        raise ValueError(f"calib is missing {missing}; start from {{**DEFAULT_CALIB, ...}}")
+    _check_calib(calib)
     e_loc = E // ranks
     if touched_experts is None:
         touched_experts = expected_touched_experts(num_experts=E, ranks=ranks,
@@ -243,18 +240,87 @@ def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_
         raise ValueError(f"touched_experts must be an int in [0, {e_loc}] (local experts), got "
                          f"{touched_experts!r}")
     T = tokens_per_rank
+    # Uniform routing: a rank computes as many (token, k) pairs as it owns, T*K, of which the
+    # (R-1)/R from other ranks' tokens cross the link
+    return _rank_floor(H, I, pairs=T * K, touched_experts=touched_experts,
+                       remote_pairs=T * K * (ranks - 1) / ranks, dtype=dtype, calib=calib)
+
+
+def _check_calib(calib: Mapping[str, float]) -> None:
+    missing = [k for k in ("bf16_tflops", "fp8_tflops", "weights_tbps", "link_gbps")
+               if k not in calib]
+    if missing:
+        raise ValueError(f"calib is missing {missing}; start from {{**DEFAULT_CALIB, ...}}")
+
+
+def _rank_floor(H: int, I: int, *, pairs: float, touched_experts: int, remote_pairs: float,
+                dtype: str, calib: Mapping[str, float]) -> dict[str, Any]:
+    """One rank's floors: ``pairs`` (token, k) rows through its experts' GEMMs, the weights
+    of ``touched_experts`` read once, ``remote_pairs`` of those rows pulled from and returned
+    to other ranks."""
     b = _BYTES[dtype]
-    # Uniform routing: a rank computes as many (token, k) pairs as it owns, T*K.
     rate = calib["bf16_tflops" if dtype == "bf16" else "fp8_tflops"]   # fp4w: fp8 MMAs
-    compute_us = 6.0 * T * K * H * I / (rate * 1e12) * 1e6
+    compute_us = 6.0 * pairs * H * I / (rate * 1e12) * 1e6
     weights_us = touched_experts * 3.0 * H * I * b["weight"] / (calib["weights_tbps"] * 1e12) * 1e6
-    remote_pairs = T * K * (ranks - 1) / ranks
     link_us = remote_pairs * H * (b["dispatch"] + b["combine"]) / (calib["link_gbps"] * 1e9) * 1e6
     parts = {"compute": compute_us, "weights": weights_us, "link": link_us}
     bound = max(parts, key=lambda k: parts[k])  # max keeps the first of equal values
     return dict(compute_us=compute_us, weights_us=weights_us, link_us=link_us,
                 floor_us=parts[bound], bound=bound, touched_experts=touched_experts,
                 remote_pairs=remote_pairs)
+
+
+def routing_floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *,
+                   topk_idxs: Sequence[torch.Tensor], dtype: str = "bf16",
+                   calib: Mapping[str, float] = DEFAULT_CALIB) -> dict[str, Any]:
+    """Floors of one call with a measured routing (for skewed routing, where ``floors``'
+    uniform model does not hold): each rank's floor from the picks that land on its experts
+    (the rows it computes, the local experts they touch, and those from other ranks' tokens
+    as its remote pairs), and the largest over the ranks, since the slowest rank bounds the
+    layer.
+
+    Args:
+        config_or_shape_dict: as in ``floors``.
+        topk_idxs: one int tensor [T_r, K] per rank r (R = its length, dividing num_experts),
+            expert ids in [0, num_experts) or -1 for a dropped pick.
+        dtype, calib: as in ``floors``.
+
+    Returns:
+        the slowest rank's ``floors``-style dict (compute_us, weights_us, link_us, floor_us,
+        bound, touched_experts, remote_pairs) with ``rank`` (which one) and ``per_rank`` (every
+        rank's dict).
+    """
+    H, I, E, K = _shape_dims(config_or_shape_dict)
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {FLOOR_DTYPES}, got {dtype!r}")
+    _check_calib(calib)
+    R = len(topk_idxs)
+    if R == 0 or E % R:
+        raise ValueError(f"topk_idxs must hold one tensor per rank, a count dividing "
+                         f"num_experts ({E}); got {R}")
+    owners, experts = [], []
+    for r, idx in enumerate(topk_idxs):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != K \
+                or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise ValueError(f"topk_idxs[{r}] must be an int tensor [T, {K}], got "
+                             f"{getattr(idx, 'dtype', type(idx).__name__)} "
+                             f"{tuple(getattr(idx, 'shape', ()))}")
+        flat = idx.reshape(-1).long().cpu()
+        if bool(((flat < -1) | (flat >= E)).any()):
+            raise ValueError(f"topk_idxs[{r}] holds ids outside [-1, {E})")
+        flat = flat[flat >= 0]
+        experts.append(flat)
+        owners.append(flat // (E // R))
+    per_rank = []
+    for r in range(R):
+        mine = [e[o == r] for e, o in zip(experts, owners)]
+        pairs = sum(m.numel() for m in mine)
+        remote = sum(m.numel() for s, m in enumerate(mine) if s != r)
+        touched = int(torch.cat(mine).unique().numel()) if pairs else 0
+        per_rank.append(_rank_floor(H, I, pairs=pairs, touched_experts=touched,
+                                    remote_pairs=remote, dtype=dtype, calib=calib))
+    worst = max(range(R), key=lambda r: per_rank[r]["floor_us"])
+    return {**per_rank[worst], "rank": worst, "per_rank": per_rank}
 
 
 # ---- result rows -------------------------------------------------------------------------

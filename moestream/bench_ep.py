@@ -51,6 +51,9 @@ over several sets); the slowest rank's figures are reported. Before timing, each
 that the providers agree (relative difference within the bf16 tolerance), so a broken kernel is
 never timed as fast. With ``MOESTREAM_EP_PARTIAL=path`` set, rank 0 also appends each row to
 that JSON-lines file as it is measured, so a run cut by a time limit keeps its finished points.
+Rows of skewed routing (``skew``) carry the floor of the routing they ran
+(``bench.routing_floors``, the mean over the input sets; ``floor_from: "routing"``): the
+uniform model of ``bench.floors`` would put a hot expert's rank at the average load.
 """
 from __future__ import annotations
 
@@ -369,6 +372,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                                  (w13q, w2q))
             none = (None, (None, None))
             for _, _, T, sets in data:
+                skew_floor = _routing_floor(cfg, sets, world) if skew else None
+
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
                                               granularity=granularity)
@@ -457,6 +462,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             routing="skewed" if skew else "uniform", block_m=cfg.block_m,
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < bound),
+                            **({} if skew_floor is None else
+                               {"floor_us": skew_floor(_dtype(p)), "floor_from": "routing"}),
                             **({"tuning": dict(tuning)} if _tuned(p) else {}),
                             **({"stages_us": stats["stages_us"]} if "stages_us" in stats
                                else {})))
@@ -494,6 +501,22 @@ def _randn_bf16(shape: tuple[int, ...], scale: float, gen: torch.Generator, dev)
     return out
 
 
+def _routing_floor(cfg, sets, world: int) -> Callable[[str], float]:
+    """For skewed routing, where the uniform floor does not hold: every rank's routing of
+    each input set gathered to all ranks (a collective), and a function of the dtype giving
+    the mean over the sets of ``bench.routing_floors`` (the slowest rank's floor)."""
+    import torch.distributed as dist
+
+    from .bench import routing_floors
+    per_set = []
+    for _, idx, _ in sets:
+        parts = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(parts, idx.contiguous())
+        per_set.append([p.cpu() for p in parts])
+    return lambda dtype: sum(routing_floors(cfg, topk_idxs=r, dtype=dtype)["floor_us"]
+                             for r in per_set) / len(per_set)
+
+
 def _weights_and_inputs(cfg, world: int, rank: int, seed: int, tokens: Sequence[int], dev,
                         skew: float | None):
     """This rank's bf16 experts and, per token count, its input sets: one generator drawn in
@@ -529,6 +552,7 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
         E = cfg.num_experts
         for w13, w2, T, sets in _weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew):
+            skew_floor = _routing_floor(cfg, sets, world) if skew else None
             try:
                 ctx = SymmA2AContext(T, cfg.hidden, cfg.top_k, E, device=dev)
             except SymmUnavailableError as exc:
@@ -549,7 +573,9 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
                     provider="torch-symm", median_us=stats["median_us"], p20_us=stats["p20_us"],
                     p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                     routing="skewed" if skew else "uniform", rel_diff_vs_torch=err,
-                    agrees=bool(err < 2 * TOLERANCE["bf16"])))
+                    agrees=bool(err < 2 * TOLERANCE["bf16"]),
+                    **({} if skew_floor is None else
+                       {"floor_us": skew_floor("bf16"), "floor_from": "routing"})))
                 print(f"{shape} T={T} torch-symm: {stats['median_us']:.1f} us "
                       f"(rel diff vs torch {err:.1e})", flush=True)
         torch.cuda.empty_cache()

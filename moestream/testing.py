@@ -34,6 +34,10 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+# the hot expert's logit lead over a hot token's best other expert (make_routing's skew)
+HOT_MARGIN = 4.0
+
+
 def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
                  generator: torch.Generator | None = None, device: str | torch.device = "cpu",
                  skew: float | None = None, drop: float = 0.0, scoring: str = "softmax",
@@ -41,9 +45,9 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
     """A realistic routing: top-k without replacement of random router logits.
 
     Args:
-        skew: if set, one hot expert (expert 0) takes this share of all picks, as far as
-            picking without replacement allows (at most one pick per token: a share of up to
-            1/K); the rest stay softmax-random.
+        skew: if set, one hot expert (expert 0) takes this share of all picks besides its
+            uniform share, as far as picking without replacement allows (at most one pick
+            per token: a share of up to 1/K); each token's other picks stay softmax-random.
         drop: share of picks replaced by -1 (no expert).
     Returns:
         topk_idx [T, K] int32, topk_weights [T, K] fp32 (on ``device``).
@@ -53,7 +57,11 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
         if not 0.0 < skew <= 1.0:
             raise ValueError(f"skew must be in (0, 1], got {skew}")
         hot_tokens = torch.rand(num_tokens, generator=generator) < min(1.0, skew * top_k)
-        logits[hot_tokens, 0] = 1e4
+        # expert 0 first by a margin that keeps every other probability non-zero: a logit
+        # of 1e4 (before session 24) left the others at exactly 0.0 after the softmax, so
+        # top-k broke the ties the same way for every hot token and every one of them took
+        # the same K experts
+        logits[hot_tokens, 0] = logits[hot_tokens].max(dim=1).values + HOT_MARGIN
     idx, w = route(logits, top_k, scoring=scoring)
     if drop > 0:
         gone = torch.rand(idx.shape, generator=generator) < drop

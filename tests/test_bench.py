@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moestream.bench import (DEFAULT_CALIB, ROW_KEYS, append_rows, expected_touched_experts,
-                             floors, load_rows, plot_rows, print_table, result_row, slowest,
-                             time_cuda)
+                             floors, load_rows, plot_rows, print_table, result_row,
+                             routing_floors, slowest, time_cuda)
 from moestream.config import SHAPES, MoEConfig
 
 # BENCHMARKS.md, "Baseline and targets on 2x H200, EP2, bf16": (shape, T/rank, floor µs, bound).
@@ -106,6 +106,53 @@ def test_floors_reject_bad_arguments(kwargs, match) -> None:
     args = dict(tokens_per_rank=8, ranks=2) | kwargs
     with pytest.raises(ValueError, match=match):
         floors("dsv3", **args)
+
+
+def test_routing_floors_of_an_even_routing_equal_the_uniform_model() -> None:
+    # every rank receives T*K picks, half from its own tokens, over 4 of its experts: what
+    # floors() assumes, so each rank's floor is floors() with 4 touched experts, for bf16 and
+    # fp8 alike (the weight, link and compute parts all enter)
+    idx = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])
+    shape = dict(hidden=256, intermediate=128, num_experts=8, top_k=2)
+    for dtype in ("bf16", "fp8"):
+        got = routing_floors(shape, topk_idxs=[idx, idx.clone()], dtype=dtype)
+        want = floors(shape, tokens_per_rank=4, ranks=2, touched_experts=4, dtype=dtype)
+        for r in (0, 1):
+            for k in ("compute_us", "weights_us", "link_us", "floor_us", "touched_experts",
+                      "remote_pairs"):
+                assert got["per_rank"][r][k] == pytest.approx(want[k]), (dtype, r, k)
+
+
+def test_routing_floors_follow_the_hot_rank() -> None:
+    # a hot expert on rank 1 (expert 5): rank 1 computes every pick but rank 0's dropped
+    # ones, so it is the slowest; -1 picks count nowhere; a rank whose experts get no pick
+    # has a zero floor
+    shape = dict(hidden=512, intermediate=256, num_experts=8, top_k=2)
+    idx0 = torch.tensor([[5, -1], [5, 6], [5, -1]])          # 4 picks, all on rank 1
+    idx1 = torch.tensor([[5, 7], [5, -1]])                    # 3 picks, on its own rank
+    got = routing_floors(shape, topk_idxs=[idx0, idx1])
+    assert got["rank"] == 1
+    r0, r1 = got["per_rank"]
+    assert r0["floor_us"] == 0.0 and r0["touched_experts"] == 0
+    assert (r1["touched_experts"], r1["remote_pairs"]) == (3, 4)
+    want = floors(shape, tokens_per_rank=1, ranks=2, touched_experts=3)   # 7 pairs: scale T
+    assert r1["compute_us"] == pytest.approx(want["compute_us"] * 7 / 2)
+    assert r1["weights_us"] == pytest.approx(want["weights_us"])
+    assert got["floor_us"] == r1["floor_us"] > 0
+
+
+@pytest.mark.parametrize("idxs, match", [
+    ([], "one tensor per rank"),
+    ([torch.zeros(2, 2, dtype=torch.long)] * 3, "one tensor per rank"),
+    ([torch.zeros(2, 3, dtype=torch.long)] * 2, r"int tensor \[T, 2\]"),
+    ([torch.zeros(2, 2)] * 2, r"int tensor \[T, 2\]"),
+    ([torch.full((2, 2), 8)] * 2, r"outside \[-1, 8\)"),
+    ([torch.full((2, 2), -2)] * 2, r"outside \[-1, 8\)"),
+])
+def test_routing_floors_reject_bad_routings(idxs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        routing_floors(dict(hidden=256, intermediate=128, num_experts=8, top_k=2),
+                       topk_idxs=idxs)
 
 
 # ---- rows ----------------------------------------------------------------------------------
@@ -638,3 +685,26 @@ def test_bench_weights_are_drawn_per_expert_reproducibly():
     for e in range(5):
         assert abs(a[e].float().std().item() - 0.5) < 0.03, e
     assert not torch.equal(a[0], a[1])   # each expert its own draw
+
+
+def _skew_floor_worker(rank: int, world: int, seed: int):
+    # what bench_ep_worker does per token count under skew: its input sets, then the gathered
+    # routing's floor (a collective over the ranks)
+    from moestream.bench_ep import _inputs, _routing_floor
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=16)
+    g = torch.Generator().manual_seed(seed + 17 * rank)
+    sets = _inputs(cfg, 16, g, "cpu", skew=0.3, sets=2)
+    floor = _routing_floor(cfg, sets, world)
+    return [s[1] for s in sets], floor("bf16"), floor("fp8")
+
+
+def test_skewed_bench_rows_take_the_floor_of_their_routing() -> None:
+    # two gloo ranks: the floor the EP bench gives a skewed row is the mean over its input
+    # sets of routing_floors on every rank's routing (gathered), the same on both ranks
+    from moestream.distributed import spawn
+    res = spawn(_skew_floor_worker, world_size=2, backend="gloo", args=(11,), timeout_s=120)
+    (idxs0, bf0, fp0), (idxs1, bf1, fp1) = res
+    want = {d: sum(routing_floors("qwen3", topk_idxs=[a, b], dtype=d)["floor_us"]
+                   for a, b in zip(idxs0, idxs1)) / 2 for d in ("bf16", "fp8")}
+    assert (bf0, fp0) == (bf1, fp1) == pytest.approx((want["bf16"], want["fp8"]))
+    assert bf0 > fp0 > 0     # fp8 reads half the weight bytes

@@ -1,5 +1,7 @@
 """The reference layer against a literal per-token transcription of the math contract, and the
 router's invariants."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,25 @@ def test_reference_bad_input(gen, bad, message):
 def test_route_bad_input(gen, kwargs, message):
     with pytest.raises(ValueError, match=message):
         route(torch.randn(4, 16, generator=gen), **kwargs)
+
+
+@pytest.mark.parametrize("T, E, K, skew", [(256, 128, 8, 0.3), (256, 8, 2, 0.3),
+                                           (200, 16, 4, 0.1)])
+def test_skewed_routing_has_one_hot_expert_and_random_rest(gen, T, E, K, skew):
+    # make_routing(skew=s): expert 0 takes s of all picks (at most one per token, so 1/K at
+    # most) besides its uniform share, and the other picks stay spread like uniform routing's. Before session 24 a hot
+    # token's logit of 1e4 zeroed every other probability, so each hot token took the same K
+    # experts: caught here by the distinct other-expert sets and their spread
+    idx, w = make_routing(T, E, K, generator=gen, skew=skew)
+    share = (idx == 0).sum().item() / idx.numel()
+    hot_tokens = min(1.0, skew * K)     # plus the other tokens' uniform chance of expert 0
+    assert abs(share - (hot_tokens + (1 - hot_tokens) * K / E) / K) < 0.05, share
+    hot = (idx == 0).any(dim=1)
+    rest = [tuple(sorted(row[row != 0].tolist())) for row in idx[hot]]
+    # the hot tokens' other picks differ (as many sets as there can be, for few experts)
+    assert len(set(rest)) >= min(math.comb(E - 1, K - 1), len(rest) // 2)
+    others = idx[hot][idx[hot] != 0]
+    assert others.unique().numel() >= min(E - 1, others.numel() // 4)
+    # each token's picks are distinct and its weights positive and summing to one
+    assert all(len(set(row.tolist())) == K for row in idx)
+    assert bool((w > 0).all()) and torch.allclose(w.sum(1), torch.ones(T))
