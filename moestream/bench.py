@@ -26,8 +26,8 @@ import torch
 from .config import SHAPES, MoEConfig
 
 __all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
-           "routing_floors", "expected_touched_experts", "result_row", "append_rows", "load_rows", "print_table",
-           "plot_rows"]
+           "routing_floors", "expected_touched_experts", "result_row", "append_rows",
+           "load_rows", "print_table", "plot_rows"]
 
 # Rates measured on this project's 2x H200 SXM (NV18), BENCHMARKS.md "Calibration".
 DEFAULT_CALIB: dict[str, float] = {

@@ -133,9 +133,10 @@ def test_route_bad_input(gen, kwargs, message):
                                            (200, 16, 4, 0.1)])
 def test_skewed_routing_has_one_hot_expert_and_random_rest(gen, T, E, K, skew):
     # make_routing(skew=s): expert 0 takes s of all picks (at most one per token, so 1/K at
-    # most) besides its uniform share, and the other picks stay spread like uniform routing's. Before session 24 a hot
-    # token's logit of 1e4 zeroed every other probability, so each hot token took the same K
-    # experts: caught here by the distinct other-expert sets and their spread
+    # most) besides its uniform share, and the other picks stay spread like uniform routing's.
+    # Before session 24 a hot token's logit of 1e4 zeroed every other probability, so each hot
+    # token took the same K experts: caught here by the distinct other-expert sets and their
+    # spread
     idx, w = make_routing(T, E, K, generator=gen, skew=skew)
     share = (idx == 0).sum().item() / idx.numel()
     hot_tokens = min(1.0, skew * K)     # plus the other tokens' uniform chance of expert 0
