@@ -896,12 +896,13 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     fp8.destroy()
     assert (f.dispatch_tile, f.hidden_chunk) == (8, 1024)   # 2048 x 8 picks: 8-token tiles
     assert stages.fused_tuning(buf, 512).dispatch_tile == 4
-    # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM: one per SM
+    # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM, split-K parts
+    # fill them: two programs per SM as elsewhere (session 24)
     mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
                      device="cpu")
     mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
     f = stages.fused_tuning(mix, 8)
-    assert (f.decode_rows, f.fused_per_sm) == (16, 1)
+    assert (f.decode_rows, f.fused_per_sm) == (16, 2)
     # I = 14336: the L2's K loop is long, its tickets stay one block (grouping measured +1 %)
     assert stages.fused_tuning(mix, 2048).fused_l2_group == 1
     mix.destroy()
