@@ -590,7 +590,11 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank).
     ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
     ``block_m``: our layer's m-block rows instead of the shape's default (rows carry
-    ``block_m``; the torch providers do not use it)."""
+    ``block_m``; the torch providers do not use it). ``skew``: the hot expert's share of
+    picks (``testing.make_routing``), in (0, 1]; its rows carry the floor of their routing."""
+    if skew is not None and (isinstance(skew, bool) or not isinstance(skew, (int, float))
+                             or not 0.0 < skew <= 1.0):
+        raise ValueError(f"skew is the hot expert's share of picks, in (0, 1]; got {skew!r}")
     if block_m is not None:   # each shape's config with it: a ValueError before any spawn
         from .config import MoEConfig
         for shape in shapes:

@@ -426,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "staged-graph-stages, fp8-staged-graph-stages (the same in a graph), "
                         "staged-tuned-graph, fp8-staged-tuned-graph, and their -stages "
                         "forms, fused-tuned-graph, fp8-fused-tuned-graph (with --tuning)")
-    b.add_argument("--skew", type=float, default=None, help="hot expert's share of picks")
+    b.add_argument("--skew", type=float, default=None,
+                   help="hot expert's share of picks, in (0, 1] (at most 1/top-k takes "
+                        "effect: one pick per token)")
     b.add_argument("--tuning", default="",
                    help="stages.Tuning overrides of the *-tuned-graph(-stages) providers, e.g. "
                         "pdl=true,l1_block_n=128 (on top of each call's defaults)")

@@ -332,6 +332,14 @@ def test_tuned_providers_and_their_overrides():
             parse_tuning(text)
 
 
+@pytest.mark.parametrize("skew", [0.0, -0.1, 1.5, True, "0.3"])
+def test_ep_bench_skew_is_checked_before_any_process_starts(skew):
+    # a skew make_routing would reject inside every spawned rank is a ValueError up front
+    from moestream.bench_ep import run_ep_bench
+    with pytest.raises(ValueError, match=r"skew is the hot expert's share of picks, in \(0, 1\]"):
+        run_ep_bench(shapes=["qwen3"], tokens=[1], providers=["staged"], skew=skew)
+
+
 def test_ep_bench_block_m_is_checked_before_any_process_starts():
     # --block-m (run_ep_bench's block_m) is a MoEConfig.block_m: a value the config rejects
     # is a ValueError naming the allowed ones, on a machine with or without GPUs
