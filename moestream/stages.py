@@ -164,8 +164,7 @@ class Tuning:
         pieces).
     fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
     fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
-        SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces where the L2 has
-        at least that many blocks).
+        SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces, else 1).
     fused_l2_group: column blocks per L2 ticket of the fused launch (must divide the L2's
         column blocks; whole tiles only, not with decode_rows): one flat (column block, K
         step) loop, so the next block's first loads overlap this block's epilogue, and one
@@ -487,8 +486,9 @@ class Tuning:
         F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with the
         L1's 8 warps), in bf16 two or more per L2 ticket where I <= 2048
         (``fused_l2_group_for``), one dispatch task per program moving 4 tokens at a time (8
-        where this tuning has 8; decode pieces: 1, whole rows) with eager loads, and combine
-        tasks of 4 tokens. Unchanged under the interpreter (the tests choose their tilings).
+        where this tuning has 8; decode pieces: 1, whole rows) with eager loads, combine
+        tasks of 4 tokens, and in decode pieces two programs per SM and one expert wave.
+        Unchanged under the interpreter (the tests choose their tilings).
         ``sms``: the GPU's SM count (default the buffer's device's; moestream.aot passes one to
         compile the GPU defaults)."""
         sms = sms or _constants(buffer).sms
