@@ -4,6 +4,7 @@
 # steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu (default env,test,gemm,ep)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
+# EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
 mkdir -p "$OUT"
@@ -45,7 +46,8 @@ fi
 if has ep; then
   MOESTREAM_EP_PARTIAL="$OUT/ep_partial.jsonl" timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
     --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} \
-    ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
+    ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} ${EP_SKEW:+--skew $EP_SKEW} \
+    --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
     2>&1 | tee "$OUT/ep.log" | tail -40
 fi
 if has trace; then
