@@ -269,6 +269,9 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " decode host"
                 stages.run_staged(*args, tuning=replace(tuning.decode(16, cfg),
                                                         host_descriptors=True))
+                label[0] = " claim"   # whole tiles with claimed tickets (decode: default)
+                stages.run_staged(*args, tuning=replace(tuning, gemm_claim=True,
+                                                        host_descriptors=True))
                 label[0] = " fused host"
                 stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
                                                        host_descriptors=True))

@@ -14,7 +14,8 @@ calls, since every call waits for every peer's ready flag of that call):
                expert_count, block_start, src_row, src_tokens, block_meta, wave_mb,
                num_waves                      this rank's pool layout (every call) and expert
                                               waves (calls of the fused launch), on device
-               arrival, l1_done, l2_done, tickets, l2_programs, l2_ranks_done,
+               arrival, l1_done, l2_done, tickets, l2_programs, gemm_claims,
+               l2_ranks_done,
                combine_flag                   zeroed at every call
     inputs     x [2, T, H], topk_idx [2, T, K], topk_weights [2, T, K], slot [2, T, K]
     pool       pool_x [P, H], pool_src [P], pool_weight [P]   tokens pulled for local experts
@@ -129,6 +130,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
         ("tickets", (1,), "int32", "next ticket of the fused kernel (local rank 0 serves the launch)", True, False),
         ("l2_programs", (1,), "int32", "staged L2 programs of this rank that finished", True, False),
+        ("gemm_claims", (2, 4), "int32", "staged L1, L2 with Tuning.gemm_claim: [next claimed ticket, programs finished, 2 words padding to 16 bytes] (the last program zeroes them)", True, False),
         ("l2_ranks_done", (1,), "int32", "ranks whose staged L2 finished (peers' L2 -> combine)", True, True),
         ("combine_flag", (T, K), "int32", "1 once a pick's L2 row is complete (peers' L2 -> combine)", True, True),
         ("x", (2, T) + x_row, row_dtype, what + "published tokens, by parity", False, True),

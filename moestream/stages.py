@@ -310,6 +310,24 @@ class Tuning:
         tile's parts on consecutive tickets, a part claiming the next ticket when done), into
         two parts already where K is long (``fused_min_split``; mixtral at 1 token 213 -> 204
         µs, session 23). ``decode`` sets 4 in bf16. 1: off.
+    gemm_claim: the staged L1 and L2 programs claim their tickets from a per-launch counter
+        after their first (``kernels/gemm.next_tickets``; claimed two tiles ahead, the last
+        program zeroes the counter) instead of taking every programs-th ticket: a program
+        held up by a costly block takes fewer of the rest. A hot expert's block in a decode
+        call runs several 32-row pieces (session 25, one H200, world size 1, qwen3 dims at 128
+        tokens, every token also to expert 0: staged 334 -> 374 µs, L1 197 -> 225, L2 105 ->
+        117; the fused launch, which claims its tickets, 318 -> 322). ``decode`` turns it on
+        in every format. Same session, round-robin -> claimed, µs, with the hot expert /
+        without: bf16 qwen3 at 128 tokens 362 -> 329 / 323 -> 323, at 256 364 -> 340 /
+        333 -> 331, dsv3 at 256 and 512 1-2 % / 0.6-0.8 % faster, v4flash at 256 3036 ->
+        2991 / 2964 -> 2951, mixtral at 16 0.5 % faster; fp8 qwen3 at 128 237 -> 232 / 195
+        -> 197, dsv3 at 256 2878 -> 2788 / 2769 -> 2744; fp4w (16-row pieces, each decoding
+        the weights again) qwen3 at 128 524 -> 487 / 272 -> 275, dsv3 at 256 5313 -> 4388 /
+        4282 -> 4185, at 512 6769 -> 5900 / 6586 -> 6119. Larger calls keep round-robin
+        tickets (bf16 qwen3 at 4096 tokens, 256 rows per expert: 744 -> 770 µs with claims;
+        dsv3 equal; fp8 dsv3 at 2048 3857 -> 4146), except fp4w, whose blocks cost a piece
+        per ``fp4w_rows`` valid rows (``for_call``). Not with l2_flat (its L2 keeps the flat loop); split-K parts stay one
+        per program. The fused launch ignores it.
     """
 
     programs: int = 0
@@ -359,6 +377,7 @@ class Tuning:
     host_descriptors: bool | None = None
     l1_split_k: int = 1
     l2_split_k: int = 1
+    gemm_claim: bool = False
 
     @classmethod
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
@@ -424,7 +443,8 @@ class Tuning:
         streams its weights alone). Large calls dispatch in tiles of 8 tokens
         (``DISPATCH_TILE8_PICKS``); L1 tickets walk groups of m-blocks where an m-block has
         many column blocks (``l1_group_m_for``). bf16 calls of at least 2 * block_m rows per
-        expert compute the L1's gate and up as one MMA (``one_dot_for``)."""
+        expert compute the L1's gate and up as one MMA (``one_dot_for``). fp4w calls claim
+        their GEMM tickets at every size (``gemm_claim``)."""
         t = cls.for_buffer(buffer)
         sms = _constants(buffer).sms
         if not sms:
@@ -453,14 +473,21 @@ class Tuning:
                                                top_k=cfg.top_k, num_experts=cfg.num_experts,
                                                block_m=cfg.block_m))
         if cfg.dtype == "fp4w":   # its L1 is bound by the in-kernel decode, not by HBM:
-            return t              # grouped, mixtral 512 measured 4716 vs 4331 µs (session 14)
+            # grouped, mixtral 512 measured 4716 vs 4331 µs (session 14); a block costs a
+            # piece per 64 valid rows, so claimed tickets balance the programs (session 25,
+            # one H200, world size 1: qwen3 at 2048 / 4096 tokens 2124 -> 1996 / 3591 ->
+            # 3323 µs, dsv3 at 2048 22052 -> 20301; fp8 lost: 411 -> 417, 669 -> 675, 3857
+            # -> 4146)
+            return replace(t, gemm_claim=True)
         return replace(t, l1_group_m=l1_group_m_for(cfg.intermediate // t.l1_tile(cfg)[0], sms))
 
     def decode(self, rows: int, cfg) -> "Tuning":
         """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
-        more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), L1 and L2 two
-        programs per SM (~100 KB of shared memory); fp8 L1 128 wide (one scale group) in 3
+        more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), tickets
+        claimed (``gemm_claim``, every format), L1 and L2 two programs per SM (~100 KB of
+        shared memory);
+        fp8 L1 128 wide (one scale group) in 3
         stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs, dsv3
         equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
@@ -468,18 +495,19 @@ class Tuning:
         if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact),
             # L1 with 4 warps, two programs per SM (session 9: dsv3 1 token 507 -> 321 µs)
             return replace(self, fp4w_rows=16, l1_warps=4, l1_stages=3, l2_warps=4,
-                           l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts)
+                           l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts,
+                           gemm_claim=True)
         if cfg.dtype == "fp8":
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
-                           dispatch_parts=parts)
+                           dispatch_parts=parts, gemm_claim=True)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
         # L2 decode pieces 128 wide (two programs per SM): the 256-wide tile of ``hopper``
         # measured equal in decode (session 21, 3 stages) and at 5 stages would hold an SM alone
         l2n = 128 if (self.l2_block_n or 0) > 128 else self.l2_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
                        l2_block_n=l2n, l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
-                       dispatch_parts=parts, l1_split_k=4, l2_split_k=4)
+                       dispatch_parts=parts, l1_split_k=4, l2_split_k=4, gemm_claim=True)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
         """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2 and
@@ -556,7 +584,7 @@ class Tuning:
         if self.host_descriptors is not None and type(self.host_descriptors) is not bool:
             raise ValueError(f"Tuning.host_descriptors must be None (while capturing a CUDA "
                              f"graph), True or False, got {self.host_descriptors!r}")
-        for name in ("l2_flat", "l1_one_dot"):
+        for name in ("l2_flat", "l1_one_dot", "gemm_claim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
@@ -1005,11 +1033,12 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
             buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-            off["off_pool_act"], H, I, E_LOC, c.P, cfg.token_bytes,
+            off["off_pool_act"], off["off_gemm_claims"], H, I, E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning), *descs, sums, counts)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
-              GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split, **host_kw,
+              GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split,
+              CLAIM=tuning.gemm_claim, **host_kw,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -1045,14 +1074,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
             off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
-            off["off_l2_ranks_done"],
+            off["off_l2_ranks_done"], off["off_gemm_claims"] + 16,   # the L2's row
             H, I, E_LOC, cfg.max_tokens_per_rank,
             I // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes, *descs, sums, counts)
+    flat = tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank" and not pieces
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
-              GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank",
-              FLAT=(tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
-                    and not pieces),
+              GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank", FLAT=flat,
+              CLAIM=tuning.gemm_claim and not flat,
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
               DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, **host_kw,
               **tuning.pdl_args(buffer),

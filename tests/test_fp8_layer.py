@@ -258,7 +258,10 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
     # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
     ([1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256, wait=False,
                             programs=3)),
-], ids=["tma", "pointers-l1n256"])
+    # claimed GEMM tickets (Tuning.decode's default on GPUs), 2 programs for the tiles
+    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128, gemm_claim=True,
+                             programs=2)),
+], ids=["tma", "pointers-l1n256", "claimed"])
 def test_fp8_decode_pieces(device, gen, Ts, tuning):
     # fp8 L1 (scales per K step, re-quantization of each piece's rows) and L2 with the
     # weight tile as the MMA row operand
@@ -407,7 +410,10 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     stages.Tuning(fp4w_rows=32, wait=False, programs=3),
     # L1 tickets in groups of 3 m-blocks (Tuning.for_call's choice at mixtral dims), waits on
     stages.Tuning(fp4w_rows=32, l1_group_m=3),
-], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3"])
+    # claimed GEMM tickets (Tuning.for_call's default for fp4w), 2 programs
+    stages.Tuning(fp4w_rows=16, gemm_claim=True, programs=2),
+], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3",
+        "rows16-claimed"])
 def test_fp4w_layer_in_row_pieces(device, gen, tuning):
     # block_m 64, two experts per rank, top-2: ~50 rows per expert
     check_tuned_fp4w_layer(fp8_config(num_experts=4, block_m=64, max_tokens_per_rank=56,

@@ -783,6 +783,49 @@ def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
                       TAIL_TOKENS, tuning, gen, device, routing=tail_routing(gen))
 
 
+# Claimed GEMM tickets (Tuning.gemm_claim): two ranks of two experts, block_m 64, exactly 60 /
+# 3 / 0 / 20 picks per expert: expert 0 is hot (a 60-row block: two 32-row decode pieces,
+# the costly block a claiming launch balances), expert 2 gets none.
+HOT_COUNTS = [60, 3, 0, 20]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tuning, hot", [
+    # decode pieces by descriptor, 3 programs for 2-4 m-blocks x 2 column blocks per GEMM, so
+    # most tickets are claimed; L1 blocks wait and count l1_done (checked exactly below)
+    (stages.Tuning(gemm_claim=True, decode_rows=16, use_tma=True, l2_block_n=64,
+                   programs=3), True),
+    # whole tiles, pointer loads, no waits, 2 programs; random routing (10 % -1 picks)
+    (stages.Tuning(gemm_claim=True, use_tma=False, wait=False, programs=2), False),
+    # L1 tickets in groups of m-blocks and L2 row pieces, claimed alike
+    (stages.Tuning(gemm_claim=True, l1_group_m=3, l2_split_m=2, l2_block_n=64,
+                   programs=3), False),
+    # the flat L2 keeps its loop (its tickets are not claimed); the L1's are
+    (stages.Tuning(gemm_claim=True, wait=False, l2_flat=True, programs=3), True),
+], ids=["decode-hot-tma", "tiles-pointers", "grouped-row-pieces", "flat-l2"])
+def test_claimed_gemm_tickets_compute_the_same_layer(device, gen, tuning, hot):
+    cfg = small_config(block_m=64, max_tokens_per_rank=40, num_experts=4)
+    routing = None
+    if hot:
+        idx = routing_with_counts(HOT_COUNTS, TAIL_TOKENS, cfg.top_k, generator=gen)
+        routing = lambda r, T: idx[r]   # noqa: E731
+    buf = check_tuned_layer(cfg, TAIL_TOKENS, tuning, gen, device, routing=routing)
+    nb1 = cfg.intermediate // tuning.l1_tile(cfg)[0]
+    for d in range(2):
+        # the last program of each GEMM zeroed its counter and count (a standalone GEMM
+        # launched again, as the GEMM bench does, claims from the start again)
+        assert buf.view("gemm_claims", d)[:, :2].cpu().tolist() == [[0, 0], [0, 0]], d
+        if tuning.wait:   # every L1 ticket ran exactly once: l1_done is NB1 per m-block
+            blocks = int(buf.view("block_start", d)[-1])
+            done = buf.view("l1_done", d)[:blocks].cpu()
+            assert done.tolist() == [nb1] * blocks, (d, done)
+
+
+def test_gemm_claim_must_be_a_bool():
+    with pytest.raises(ValueError, match="gemm_claim must be a bool"):
+        stages.Tuning(gemm_claim=1)
+
+
 def test_routing_with_counts_gives_exact_counts(gen):
     # the helper the tail tests rely on: exact per-expert counts over all ranks, every token's
     # picks distinct, the rest -1; counts that cannot fit are a ValueError
@@ -880,6 +923,15 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert t8.decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
+    # bf16 decode launches claim their GEMM tickets (a hot expert's block of several pieces
+    # holds one program up); larger calls deal them round-robin (session 25)
+    assert t.gemm_claim and not stages.Tuning.for_call(buf, 4096).gemm_claim
+    for fmt in ("fp8", "fp4w"):   # fp8: in decode only; fp4w (a piece per 64 rows): always
+        q = SymmBuffer(cfg.with_(dtype=fmt), num_ranks=2, device="cpu")
+        q._launch_constants = dc_replace(stages._constants(q), sms=132)
+        assert stages.Tuning.for_call(q, 1).gemm_claim
+        assert stages.Tuning.for_call(q, 4096).gemm_claim == (fmt == "fp4w")
+        q.destroy()
     f = stages.fused_tuning(buf, 1)
     assert (f.decode_rows, f.l1_block_n, f.l1_warps, f.fused_per_sm) == (16, 64, 4, 2)
     assert f.wave_blocks == stages.ONE_WAVE   # decode pieces: every expert in one wave

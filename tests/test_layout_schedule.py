@@ -22,7 +22,7 @@ def test_regions_aligned_disjoint_and_sized():
     assert lay["x"].shape == (2, 40, 512)            # double-buffered by call parity
     lo, n = lay.reset_span
     assert {r.name for r in regions if lo <= r.offset < lo + n} == {
-        "arrival", "l1_done", "l2_done", "tickets", "l2_programs",
+        "arrival", "l1_done", "l2_done", "tickets", "l2_programs", "gemm_claims",
         "l2_ranks_done", "combine_flag"}
     with pytest.raises(KeyError, match="no region"):
         lay["nope"]

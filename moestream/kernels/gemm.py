@@ -65,6 +65,63 @@ def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def claims_ptr(table, rank, off_claims, CLAIM: tl.constexpr):
+    """CLAIM: the launch's [next ticket, programs finished] in rank ``rank``'s buffer; else
+    the table (never read)."""
+    if CLAIM:
+        return peer_ptr(table, rank, off_claims, tl.int32)
+    else:
+        return table
+
+
+@triton.jit
+def first_claim(claims, nprog, CLAIM: tl.constexpr):
+    """CLAIM: the ticket a persistent GEMM program runs after its first (pid), claimed from
+    the launch's counter (``claims`` [next ticket, programs finished]): nprog + the count.
+    Without CLAIM: 0, unused (``next_tickets``)."""
+    if CLAIM:
+        return nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+    else:
+        return 0
+
+
+@triton.jit
+def next_tickets(claims, ticket, nxt, nprog, CLAIM: tl.constexpr):
+    """(the ticket after ``ticket``, the one after that) of a persistent GEMM program.
+    Round-robin: ticket + nprog, and the second unused (0: nothing extra is carried through
+    the loop). CLAIM: ``nxt``, claimed a tile ago, and the next claim, issued now and used a
+    tile later: each ticket is claimed two tiles ahead, so its block meta is loaded a tile
+    early as in the round-robin form, with no dependent round trip between tiles."""
+    if CLAIM:
+        return nxt, nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+    else:
+        return ticket + nprog, nxt
+
+
+@triton.jit
+def advance(ticket, nxt, after, nprog, CLAIM: tl.constexpr):
+    """The end of a tile: (next ticket, the one after) from ``next_tickets``' pair; the
+    round-robin form adds nprog here, as it did before claims existed (same machine code)."""
+    if CLAIM:
+        return nxt, after
+    else:
+        return ticket + nprog, after
+
+
+@triton.jit
+def finish_claims(claims, nprog, CLAIM: tl.constexpr):
+    """A CLAIM program is done claiming: it counts itself, and the last one zeroes the
+    counter and the count, so the next launch (a bench's standalone GEMM too) starts at
+    ticket nprog again (publish zeroes them at every call as well)."""
+    if CLAIM:
+        tl.debug_barrier()   # every claim of this program is issued before it counts itself
+        done = tl.atomic_add(claims + 1, 1, sem="acq_rel", scope="gpu")
+        if done == nprog - 1:
+            tl.atomic_xchg(claims, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(claims + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, ONE_DOT: tl.constexpr = False):
     """Tensor descriptors (TMA) of L1's A rows [P, H] and weight tiles [E_LOC * 2I, H];
@@ -523,6 +580,7 @@ def l1_kernel(
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
+    off_claims,                # CLAIM: this GEMM's [next ticket, programs finished]
     H, I, E_LOC, P, XB, AB,    # FP8: bytes per pool_x / pool_act row
     PARTS,                     # arrivals per pool row (dispatch_kernel's row parts)
     ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
@@ -533,7 +591,7 @@ def l1_kernel(
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
     GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -555,7 +613,10 @@ def l1_kernel(
     as kernel parameters: no descriptor is written and fenced in global memory first.
     SPLIT_K > 1 (bf16 decode pieces, no tail pieces): when the call's tiles are at most a
     quarter of the programs, S >= 4 programs share each tile's K loop (``split_count``,
-    ``l1_split_part``), one part per program."""
+    ``l1_split_part``), one part per program.
+    CLAIM: after its first ticket (pid) a program claims each next one from a counter
+    (``next_tickets``) instead of taking every nprog-th: a program held up by a costly block
+    (a hot expert's block of several decode pieces) then takes fewer of the rest."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
@@ -612,10 +673,13 @@ def l1_kernel(
                                   split_counts + lr * nprog, H, I, BM, BN, BK, DM, UPCAST,
                                   USE_TMA, SIGNAL)
             ticket = total   # the loop below has nothing left
+    claims = claims_ptr(table, rank, off_claims, CLAIM)
+    nxt = first_claim(claims, nprog, CLAIM)
     while (ticket < total) & ok:
         mb, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
-        meta_next = tl.load(block_meta + l1_tile_of(ticket + nprog, num_m, NB, GROUP_M)[0],
-                            mask=ticket + nprog < total, other=0)   # lands meanwhile
+        nxt, after = next_tickets(claims, ticket, nxt, nprog, CLAIM)
+        meta_next = tl.load(block_meta + l1_tile_of(nxt, num_m, NB, GROUP_M)[0],
+                            mask=nxt < total, other=0)   # lands meanwhile
         if WAIT:
             ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
                                timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
@@ -626,7 +690,8 @@ def l1_kernel(
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
                             USE_TMA, FP8, DM, W4, TAIL, SIGNAL, ONE_DOT)
         meta = meta_next
-        ticket += nprog
+        ticket, nxt = advance(ticket, nxt, after, nprog, CLAIM)
+    finish_claims(claims, nprog, CLAIM)
 
 
 @triton.jit
@@ -896,6 +961,7 @@ def l2_kernel(
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag, off_l2_programs,
     off_l2_ranks_done,
+    off_claims,                # CLAIM: this GEMM's [next ticket, programs finished]
     H, I, E_LOC, T_MAX, NB1, P,
     R: tl.constexpr,           # ranks: the combine-slot stores unroll over them
     AB,                        # FP8: bytes per pool_act row
@@ -908,9 +974,9 @@ def l2_kernel(
     RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
-    HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
 ):
-    """FP8, W4, HOST_DESC: as ``l1_kernel``; the output tile is rounded to bf16 for the
+    """FP8, W4, HOST_DESC, CLAIM (not with FLAT): as ``l1_kernel``; the output tile is rounded to bf16 for the
     combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
@@ -931,6 +997,7 @@ def l2_kernel(
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
+    tl.static_assert(not (CLAIM and FLAT), "claimed tickets: the plain loop")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
@@ -1000,10 +1067,12 @@ def l2_kernel(
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
                             pm % SPLIT_M, SPLIT_M, DM, W4, TAIL)
         ticket = total   # the loop below has nothing left
+    claims = claims_ptr(table, rank, off_claims, CLAIM)
+    nxt = first_claim(claims, nprog, CLAIM)
     while (ticket < total) & ok:
-        pm_next, nb_next = grouped_tile(ticket + nprog, num_m, NB, GROUP_M)
-        meta_next = tl.load(block_meta + pm_next // SPLIT_M, mask=ticket + nprog < total,
-                            other=0)
+        nxt, after = next_tickets(claims, ticket, nxt, nprog, CLAIM)
+        pm_next, nb_next = grouped_tile(nxt, num_m, NB, GROUP_M)
+        meta_next = tl.load(block_meta + pm_next // SPLIT_M, mask=nxt < total, other=0)
         mb = pm // SPLIT_M
         if WAIT:
             ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
@@ -1018,7 +1087,8 @@ def l2_kernel(
         pm = pm_next
         nb = nb_next
         meta = meta_next
-        ticket += nprog
+        ticket, nxt = advance(ticket, nxt, after, nprog, CLAIM)
+    finish_claims(claims, nprog, CLAIM)
     if RANK_SIGNAL:
         if ok:   # a program that gave up does not count: the peers' combine then stalls too
             tl.debug_barrier()  # this program's rows are stored before it counts itself
