@@ -130,7 +130,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         ("l2_done", (n_mb,), "int32", "L2 column blocks finished per m-block (the last one signals)", True, False),
         ("tickets", (1,), "int32", "next ticket of the fused kernel (local rank 0 serves the launch)", True, False),
         ("l2_programs", (1,), "int32", "staged L2 programs of this rank that finished", True, False),
-        ("gemm_claims", (2, 4), "int32", "staged L1, L2 with Tuning.gemm_claim: [next claimed ticket, programs finished, 2 words padding to 16 bytes] (the last program zeroes them)", True, False),
+        ("gemm_claims", (2, 4), "int32", "staged L1, L2 (Tuning.gemm_claim): [next ticket, programs done, 2 pad words]", True, False),
         ("l2_ranks_done", (1,), "int32", "ranks whose staged L2 finished (peers' L2 -> combine)", True, True),
         ("combine_flag", (T, K), "int32", "1 once a pick's L2 row is complete (peers' L2 -> combine)", True, True),
         ("x", (2, T) + x_row, row_dtype, what + "published tokens, by parity", False, True),
