@@ -326,8 +326,8 @@ class Tuning:
         4282 -> 4185, at 512 6769 -> 5900 / 6586 -> 6119. Larger calls keep round-robin
         tickets (bf16 qwen3 at 4096 tokens, 256 rows per expert: 744 -> 770 µs with claims;
         dsv3 equal; fp8 dsv3 at 2048 3857 -> 4146), except fp4w, whose blocks cost a piece
-        per ``fp4w_rows`` valid rows (``for_call``). Not with l2_flat (its L2 keeps the flat loop); split-K parts stay one
-        per program. The fused launch ignores it.
+        per ``fp4w_rows`` valid rows (``for_call``). Not with l2_flat (its L2 keeps the flat
+        loop); split-K parts stay one per program. The fused launch ignores it.
     """
 
     programs: int = 0
@@ -486,10 +486,8 @@ class Tuning:
         (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
         more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), tickets
         claimed (``gemm_claim``, every format), L1 and L2 two programs per SM (~100 KB of
-        shared memory);
-        fp8 L1 128 wide (one scale group) in 3
-        stages, so that two programs share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs, dsv3
-        equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
+        shared memory); fp8 L1 128 wide (one scale group) in 3 stages, so that two programs
+        share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs, dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
         parts = _row_chunks(cfg.token_bytes // 2, self.hidden_chunk)   # every chunk of a row
         if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact),

@@ -101,7 +101,8 @@ def next_tickets(claims, ticket, nxt, nprog, CLAIM: tl.constexpr):
 @triton.jit
 def advance(ticket, nxt, after, nprog, CLAIM: tl.constexpr):
     """The end of a tile: (next ticket, the one after) from ``next_tickets``' pair; the
-    round-robin form adds nprog here, as it did before claims existed (same machine code)."""
+    round-robin form adds nprog here, as it did before claims existed (sm_90: the same PTX
+    but for the order of two instructions)."""
     if CLAIM:
         return nxt, after
     else:
@@ -976,8 +977,8 @@ def l2_kernel(
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
 ):
-    """FP8, W4, HOST_DESC, CLAIM (not with FLAT): as ``l1_kernel``; the output tile is rounded to bf16 for the
-    combine slots.
+    """FP8, W4, HOST_DESC, CLAIM (not with FLAT): as ``l1_kernel``; the output tile is
+    rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
     their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
