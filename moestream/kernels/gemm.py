@@ -75,12 +75,18 @@ def claims_ptr(table, rank, off_claims, CLAIM: tl.constexpr):
 
 
 @triton.jit
+def claim(claims, nprog):
+    """A ticket claimed from the launch's counter (``claims`` [next ticket, programs
+    finished]): nprog + the count, since every program's first ticket is its pid."""
+    return nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def first_claim(claims, nprog, CLAIM: tl.constexpr):
-    """CLAIM: the ticket a persistent GEMM program runs after its first (pid), claimed from
-    the launch's counter (``claims`` [next ticket, programs finished]): nprog + the count.
-    Without CLAIM: 0, unused (``next_tickets``)."""
+    """CLAIM: the ticket a persistent GEMM program runs after its first (pid). Without
+    CLAIM: 0, unused (``next_tickets``)."""
     if CLAIM:
-        return nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+        return claim(claims, nprog)
     else:
         return 0
 
@@ -93,7 +99,7 @@ def next_tickets(claims, ticket, nxt, nprog, CLAIM: tl.constexpr):
     tile later: each ticket is claimed two tiles ahead, so its block meta is loaded a tile
     early as in the round-robin form, with no dependent round trip between tiles."""
     if CLAIM:
-        return nxt, nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+        return nxt, claim(claims, nprog)
     else:
         return ticket + nprog, nxt
 
