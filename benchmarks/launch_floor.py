@@ -2,7 +2,9 @@
 walks, from none (the prologue and the rank signal only) to every expert's, next to an empty
 Triton kernel on the same grid (the launch and the two events around it), and a plain read
 of the same weight bytes (``read``: every byte loaded once and summed, no MMA, no epilogue),
-which bounds what any kernel streaming those bytes can reach under this protocol.
+which bounds what any kernel streaming those bytes can reach under this protocol, and the
+L2's bytes read in the decode L2's own tile order (``read-tiles``: [128, 64] boxes by TMA,
+two programs per SM, tiles dealt round-robin), which bounds that access pattern.
 
 One GPU, one virtual rank, E experts of M rows each (the GEMM bench's pool; at M <= 128 one
 m-block per expert, so k blocks = k experts' tiles). The count the kernels read
@@ -54,6 +56,24 @@ def _read_kernel():
     return read
 
 
+def _read_tiles_kernel():
+    from moestream.kernels._common import tl, triton
+
+    @triton.jit
+    def read_tiles(w_desc, out_ptr, tiles, KS, ROWS: tl.constexpr, BK: tl.constexpr,
+                   STAGES: tl.constexpr):
+        # the decode GEMM's access pattern without its MMA: tile t is weight rows
+        # t*ROWS .. t*ROWS+ROWS-1 of [experts * rows, K], read in KS steps of [ROWS, BK]
+        # boxes (TMA, as the GEMM loads them), tiles dealt round-robin
+        pid = tl.program_id(0)
+        acc = tl.zeros([ROWS, BK], tl.float32)
+        for t in range(pid, tiles, tl.num_programs(0)):
+            for i in tl.range(0, KS, num_stages=STAGES):
+                acc += w_desc.load([t * ROWS, i * BK]).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+    return read_tiles
+
+
 READ_BLOCK = 4096      # elements per program per step (8 KB of bf16)
 READ_PER_SM = 4        # programs per SM: ~32 KB of loads in flight per program at 4 stages
 
@@ -61,6 +81,19 @@ READ_PER_SM = 4        # programs per SM: ~32 KB of loads in flight per program 
 def read_bytes(read, x: torch.Tensor, n: int, out: torch.Tensor) -> None:
     """One launch of ``read`` over the first n elements of flat ``x`` (partials into out)."""
     read[(out.numel(),)](x, out, n, BLOCK=READ_BLOCK, STAGES=4)
+
+
+TILE_ROWS, TILE_K, TILE_STAGES = 128, 64, 5   # the bf16 decode L2's weight box and depth
+
+
+def read_tiles_bytes(read_tiles, w2d: torch.Tensor, k: int, per_expert_rows: int,
+                     out: torch.Tensor) -> None:
+    """One launch of ``read_tiles`` over the first k experts' rows of ``w2d`` [rows, K]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    desc = TensorDescriptor.from_tensor(w2d, [TILE_ROWS, TILE_K])
+    read_tiles[(out.numel(),)](desc, out, k * per_expert_rows // TILE_ROWS,
+                               w2d.shape[1] // TILE_K, ROWS=TILE_ROWS, BK=TILE_K,
+                               STAGES=TILE_STAGES, num_warps=4)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -130,6 +163,19 @@ def main(argv=None) -> int:
                              weight_bytes=k * per_expert * 2, programs=partials.numel(), **t))
         got, want = float(partials.sum()), float(flat[:blocks[-1] * per_expert].float().sum())
         assert abs(got - want) <= 1e-3 * max(1.0, float(flat.float().abs().sum())), (got, want)
+    # the L2's bytes in its own tile order (read-tiles: as the decode L2 walks them, two
+    # programs per SM)
+    read_tiles = _read_tiles_kernel()
+    tile_partials = torch.zeros(sms * 2, dtype=torch.float32, device=dev)
+    w2d = w2.view(E * H, I)
+    if H % TILE_ROWS == 0 and I % TILE_K == 0:
+        for k in blocks:
+            t = time_cuda(lambda: read_tiles_bytes(read_tiles, w2d, k, H, tile_partials),
+                          **timing)
+            rows.append(dict(variant="read-tiles", kernel="l2", blocks=k,
+                             weight_bytes=k * H * I * 2, programs=tile_partials.numel(), **t))
+        got, want = float(tile_partials.sum()), float(w2d[:blocks[-1] * H].float().sum())
+        assert abs(got - want) <= 1e-3 * max(1.0, float(w2d.float().abs().sum())), (got, want)
     for name in names:
         v = VARIANTS[name]
         if v.dtype != "bf16":
@@ -159,7 +205,7 @@ def main(argv=None) -> int:
         r.update(shape=a.shape if not a.dims else f"{H}x{I}", experts=E, rows_per_expert=M,
                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     summary = []
-    for name in ["read"] + names:
+    for name in ["read", "read-tiles"] + names:
         for kernel in ("l1", "l2"):
             pts = [(r["weight_bytes"], r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel and r["blocks"] > 0]
@@ -188,7 +234,7 @@ def _plot(rows, names, path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kernel in zip(axes, ("l1", "l2")):
-        for name in ["read"] + names:
+        for name in ["read", "read-tiles"] + names:
             pts = [(r["weight_bytes"] / 1e6, r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel]
             ax.plot(*zip(*pts), marker="o", label=name, ls="--" if name == "read" else "-")

@@ -649,9 +649,9 @@ def _script(name: str):
 def test_launch_floor_dry_run(tmp_path, capsys) -> None:
     # benchmarks/launch_floor.py under the interpreter: two experts at small dims, the
     # m-block count set to 0, 1 and 2 before each timing; rows for both GEMMs, the empty
-    # kernel and the plain read of the same bytes (whose sums the script checks against
-    # torch's), and a fitted line per GEMM and per read (the CPU's numbers mean nothing:
-    # the shape of the output is what is checked)
+    # kernel, the plain read of the same bytes and the L2's bytes read in its tile order
+    # (whose sums the script checks against torch's), and a fitted line per GEMM and per
+    # read (the CPU's numbers mean nothing: the shape of the output is what is checked)
     mod = _script("launch_floor")
     out = tmp_path / "rows.jsonl"
     assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
@@ -661,15 +661,16 @@ def test_launch_floor_dry_run(tmp_path, capsys) -> None:
     timed = [(r["variant"], r["kernel"], r["blocks"]) for r in rows if not r.get("fit")]
     assert timed == [("read", "l1", 0), ("read", "l1", 1), ("read", "l1", 2),
                      ("read", "l2", 0), ("read", "l2", 1), ("read", "l2", 2),
+                     ("read-tiles", "l2", 0), ("read-tiles", "l2", 1), ("read-tiles", "l2", 2),
                      ("dec16", "empty[l1 grid]", 0), ("dec16", "l1", 0), ("dec16", "l1", 1),
                      ("dec16", "l1", 2), ("dec16", "empty[l2 grid]", 0), ("dec16", "l2", 0),
                      ("dec16", "l2", 1), ("dec16", "l2", 2)]
-    for variant in ("read", "dec16"):   # the same bytes for the read and the GEMM
+    for variant in ("read", "read-tiles", "dec16"):   # the same bytes for reads and GEMM
         assert [r["weight_bytes"] for r in rows if r["kernel"] == "l2"
                 and r["variant"] == variant and not r.get("fit")] == [
             0, 256 * 128 * 2, 2 * 256 * 128 * 2]
     assert [(r["variant"], r["kernel"]) for r in rows if r.get("fit")] == [
-        ("read", "l1"), ("read", "l2"), ("dec16", "l1"), ("dec16", "l2")]
+        ("read", "l1"), ("read", "l2"), ("read-tiles", "l2"), ("dec16", "l1"), ("dec16", "l2")]
     assert "fixed" in capsys.readouterr().out
     with pytest.raises(SystemExit):   # argparse's error: a count past the experts
         mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks", "3"])
