@@ -185,6 +185,9 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("dec16-split8", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=8,
                                              l2_split_k=8)),
     GemmVariant("dec16-l2nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l2_split_k=1)),
+    # session 26: round-robin tickets (claims off), the L2's 16-row pieces stored whole
+    GemmVariant("dec16-rr", 128, replace(_BF16.decode(16, _DIMS_64), gemm_claim=False)),
+    GemmVariant("dec16-epi1", 128, replace(_BF16.decode(16, _DIMS_64), l2_epilogue_split=1)),
     # session 23: decode L2 weight tiles 64 rows x 256 columns (512-byte row segments per
     # load instead of 128): 2 stages (two programs per SM) or 3 (one)
     GemmVariant("dec16-l2k256s2", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,

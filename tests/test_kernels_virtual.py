@@ -785,23 +785,42 @@ def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
 
 # Claimed GEMM tickets (Tuning.gemm_claim): two ranks of two experts, block_m 64, exactly 60 /
 # 3 / 0 / 20 picks per expert: expert 0 is hot (a 60-row block: two 32-row decode pieces,
-# the costly block a claiming launch balances), expert 2 gets none.
+# the costly block a claiming launch balances), expert 2 gets none. A launch claims the
+# tickets past each program's first two (pid, pid + programs) and none when it has at most
+# two per program (kernels/gemm.py, ``claiming``).
 HOT_COUNTS = [60, 3, 0, 20]
+
+
+def claims_in(buf, cfg, tuning) -> dict[tuple[str, int], bool]:
+    """Which staged GEMM launch of the call just run claimed tickets, per (GEMM, local rank):
+    more tickets (m-blocks x column blocks, or row pieces) than twice its programs."""
+    programs = stages._programs(buf, tuning, tuning.gemm_per_sm)
+    flat = tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
+    out = {}
+    for d in range(buf.local_ranks):
+        blocks = int(buf.view("block_start", d)[-1])
+        out["l1", d] = blocks * (cfg.intermediate // tuning.l1_tile(cfg)[0]) > 2 * programs
+        l2_tickets = blocks * tuning.l2_split_m * (cfg.hidden // tuning.l2_tile(cfg)[0])
+        out["l2", d] = not flat and l2_tickets > 2 * programs
+    return out
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning, hot", [
-    # decode pieces by descriptor, 3 programs for 2-4 m-blocks x 2 column blocks per GEMM, so
-    # most tickets are claimed; L1 blocks wait and count l1_done (checked exactly below)
-    (stages.Tuning(gemm_claim=True, decode_rows=16, use_tma=True, l2_block_n=64,
-                   programs=3), True),
-    # whole tiles, pointer loads, no waits, 2 programs; random routing (10 % -1 picks)
-    (stages.Tuning(gemm_claim=True, use_tma=False, wait=False, programs=2), False),
+    # decode pieces by descriptor, 3 programs: rank 0 (2 m-blocks, 4 L1 / 4 L2 column
+    # blocks) claims in both GEMMs, rank 1 (1 m-block) deals its 4 + 4 tickets round-robin;
+    # L1 blocks wait and count l1_done (checked exactly below)
+    (stages.Tuning(gemm_claim=True, decode_rows=16, use_tma=True, l1_block_n=32,
+                   l2_block_n=64, programs=3), True),
+    # whole tiles, pointer loads, no waits, 1 program: every ticket past the second claimed;
+    # random routing (10 % -1 picks)
+    (stages.Tuning(gemm_claim=True, use_tma=False, wait=False, programs=1), False),
     # L1 tickets in groups of m-blocks and L2 row pieces, claimed alike
-    (stages.Tuning(gemm_claim=True, l1_group_m=3, l2_split_m=2, l2_block_n=64,
-                   programs=3), False),
+    (stages.Tuning(gemm_claim=True, l1_group_m=3, l2_split_m=2, l2_block_n=32,
+                   programs=2), False),
     # the flat L2 keeps its loop (its tickets are not claimed); the L1's are
-    (stages.Tuning(gemm_claim=True, wait=False, l2_flat=True, programs=3), True),
+    (stages.Tuning(gemm_claim=True, wait=False, l2_flat=True, l1_block_n=32, programs=1),
+     True),
 ], ids=["decode-hot-tma", "tiles-pointers", "grouped-row-pieces", "flat-l2"])
 def test_claimed_gemm_tickets_compute_the_same_layer(device, gen, tuning, hot):
     cfg = small_config(block_m=64, max_tokens_per_rank=40, num_experts=4)
@@ -810,6 +829,8 @@ def test_claimed_gemm_tickets_compute_the_same_layer(device, gen, tuning, hot):
         idx = routing_with_counts(HOT_COUNTS, TAIL_TOKENS, cfg.top_k, generator=gen)
         routing = lambda r, T: idx[r]   # noqa: E731
     buf = check_tuned_layer(cfg, TAIL_TOKENS, tuning, gen, device, routing=routing)
+    claimed = claims_in(buf, cfg, tuning)
+    assert any(claimed.values()), claimed   # the case exercises claims at all
     nb1 = cfg.intermediate // tuning.l1_tile(cfg)[0]
     for d in range(2):
         # the last program of each GEMM zeroed its counter and count (a standalone GEMM
