@@ -256,6 +256,9 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
     tl.static_assert(not ONE_DOT or (USE_TMA and not SWAP), "one dot: descriptors, no swap")
     e = meta >> 9
     vm = meta & 511
+    w_row = 0
+    if SWAP:   # decode pieces: the rows' top-k weights loaded before the K loop, which hides it
+        w_row = row_weights(pool_w, mb, r0, vm, BM, ROWS)
     if ONE_DOT:
         acc = tl.zeros([ROWS, 2 * BN], tl.float32)
         for k0 in range(0, H, BK):
@@ -269,7 +272,8 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
     else:
         acc_g, acc_u = l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I, BM, BN, BK,
                               ROWS, UPCAST, USE_TMA, SWAP)
-    l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST, SWAP)
+    l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST, SWAP,
+             SWAP, w_row)
 
 
 @triton.jit
@@ -317,14 +321,26 @@ def l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I,
 
 
 @triton.jit
+def row_weights(pool_w, mb, r0, vm, BM: tl.constexpr, ROWS: tl.constexpr):
+    """The top-k weights of rows r0 .. r0+ROWS-1 of m-block ``mb`` (0 past its vm valid
+    rows)."""
+    rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
+    return tl.load(pool_w + rows, mask=r0 + tl.arange(0, ROWS) < vm, other=0.0)
+
+
+@triton.jit
 def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr,
-             BN: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr):
+             BN: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr,
+             PRE: tl.constexpr = False, pre_w=0):
     """The epilogue of ``l1_rows``: SwiGLU x the rows' top-k weights into pool_act (``vm``
-    valid rows in the m-block)."""
+    valid rows in the m-block). PRE: ``pre_w`` holds the ``row_weights``, loaded by the
+    caller before its K loop."""
     n = nb * BN + tl.arange(0, BN)
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     rv = r0 + tl.arange(0, ROWS) < vm
-    w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
+    w_row = row_weights(pool_w, mb, r0, vm, BM, ROWS)
+    if PRE:
+        w_row = pre_w
     if SWAP:
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
         tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST),
@@ -774,11 +790,13 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
                         EPI_SPLIT, sub * BMP // DM, BM // DM)
     elif vm <= DM:
+        # the rows' slots are loaded before the K loop, whose time hides the load
+        code = slot_codes(pool_src, mb, vm, 0, BM, DM)[0]
         acc = l2_rows(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN, BK,
                       DM, UPCAST, USE_TMA, True)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                     off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
-                    EPI_SPLIT, 0, BM // DM)
+                    EPI_SPLIT, 0, BM // DM, True, code)
     else:
         for r0 in range(0, vm, WIDE):
             # its own name: Triton's if needs a value of one shape in both branches
@@ -885,21 +903,32 @@ def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
 
 
 @triton.jit
+def slot_codes(pool_src, mb, vm, sub, BM: tl.constexpr, BMT: tl.constexpr):
+    """(each row's pool_src code, which rows are valid) of row piece ``sub`` (BMT rows) of
+    m-block ``mb`` (vm valid rows): where ``l2_epilogue`` stores the piece."""
+    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
+    rv = tl.arange(0, BMT) < vm - sub * BMT
+    return tl.load(pool_src + rows, mask=rv, other=0), rv
+
+
+@triton.jit
 def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                 SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
-                SPLIT_M: tl.constexpr = 1):
+                SPLIT_M: tl.constexpr = 1, PRE: tl.constexpr = False, pre_code=0):
     """An L2 block's fp32 tile ``acc`` [BM / SPLIT_M, BN] (row piece ``sub`` of m_block,
     columns of n_block) into its tokens' combine slots as bf16; with SIGNAL_ROWS, the block
     that completes an m-block (of NB column blocks) releases its rows' combine flags (without:
     the caller signals; SPLIT_M > 1 needs that). vm: valid rows of the whole m-block.
-    EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers)."""
+    EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers).
+    PRE: ``pre_code`` holds the rows' ``slot_codes``, loaded by the caller before its K loop
+    (no dependent load between the last MMA and the first store)."""
     tl.static_assert(SPLIT_M == 1 or not SIGNAL_ROWS, "row pieces need the caller to signal")
     BMT: tl.constexpr = BM // SPLIT_M
-    rows = mb.to(tl.int64) * BM + sub * BMT + tl.arange(0, BMT)
-    rv = tl.arange(0, BMT) < vm - sub * BMT
-    code = tl.load(pool_src + rows, mask=rv, other=0)
+    code, rv = slot_codes(pool_src, mb, vm, sub, BM, BMT)
+    if PRE:
+        code = pre_code
     src = code // (T_MAX * K)
     tk = code % (T_MAX * K)                      # token * K + k on the source rank
     if EPI_SPLIT == 4:   # four column quarters (a, b) -> columns (2a + b) * BN / 4 ...
