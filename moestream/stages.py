@@ -314,16 +314,17 @@ class Tuning:
         after their first two (``kernels/gemm.next_tickets``; claimed two tiles ahead, the
         last program zeroes the counter) instead of taking every programs-th ticket: a
         program held up by a costly block takes fewer of the rest. A launch with at most two
-        tickets per program deals them all round-robin (``kernels/gemm.claiming``: claimed
-        by arrival, a program's second ticket landed two to a program on some SMs; session
-        26, one H200, world size 1, A/B against claims from the second ticket on, µs: qwen3
-        dims at 16 rows per expert, 32 experts, the decode L1 / L2 alone 58.2 / 33.7 ->
-        55.8 / 31.4; the layer, qwen3 at 1 / 8 tokens 52.7 / 167.6 -> 49.9 / 161.3, fp8 52.3
-        / 113.1 -> 49.7 / 111.2, dsv3 at 1 token 204.1 -> 201.6; with the hot expert, qwen3
-        at 128 / 256 tokens 322.4 / 333.3 -> 321.0 / 331.1). A hot expert's block in a decode
-        call runs several 32-row pieces (session 25, one H200, world size 1, qwen3 dims at 128
-        tokens, every token also to expert 0: staged 334 -> 374 µs, L1 197 -> 225, L2 105 ->
-        117; the fused launch, which claims its tickets, 318 -> 322). ``decode`` turns it on
+        tickets per program deals them all round-robin (``kernels/gemm.claiming``; session
+        26, one H200, world size 1, qwen3 dims at 16 rows per expert, 32 experts, the decode
+        L1 / L2 alone, claimed from the second ticket 58.6 / 33.7 µs, round-robin 56.0 /
+        32.7; A/B of this and the decode epilogues' early loads against the code before, µs:
+        the GEMMs 58.2 / 33.7 -> 55.8 / 31.4, the layer at qwen3 1 / 8 tokens 52.7 / 167.6
+        -> 49.9 / 161.3, fp8 52.3 / 113.1 -> 49.7 / 111.2, dsv3 at 1 token 204.1 -> 201.6,
+        with the hot expert qwen3 at 128 / 256 tokens 322.4 / 333.3 -> 321.0 / 331.1). A hot
+        expert's block in a decode call runs several 32-row pieces (session 25, one H200,
+        world size 1, qwen3 dims at 128 tokens, every token also to expert 0: staged 334 ->
+        374 µs, L1 197 -> 225, L2 105 -> 117; the fused launch, which claims its tickets,
+        318 -> 322). ``decode`` turns it on
         in every format. Same session, round-robin -> claimed, µs, with the hot expert /
         without: bf16 qwen3 at 128 tokens 362 -> 329 / 323 -> 323, at 256 364 -> 340 /
         333 -> 331, dsv3 at 256 and 512 1-2 % / 0.6-0.8 % faster, v4flash at 256 3036 ->

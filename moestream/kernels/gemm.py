@@ -85,10 +85,11 @@ def claim(claims, nprog):
 @triton.jit
 def claiming(total, nprog, CLAIM: tl.constexpr):
     """Whether a CLAIM launch of ``total`` tickets claims any: only past two tickets per
-    program. The first two are dealt round-robin (pid, pid + nprog), which spreads them
-    evenly over the SMs; claimed by arrival they landed two to a program on some SMs and
-    none on others (session 26, one H200: qwen3 dims, 16 rows per expert, 32 experts, the
-    decode L1 / L2 alone 58.6 / 33.7 µs claimed against 56.0 / 32.7 round-robin)."""
+    program. The first two are dealt round-robin (pid, pid + nprog: with programs placed in
+    order, one second tile per SM before any SM gets two, where claimed by arrival both
+    programs of an SM can take one), and a launch that claims nothing skips the final count
+    (session 26, one H200: qwen3 dims, 16 rows per expert, 32 experts, the decode L1 / L2
+    alone 58.6 / 33.7 µs claimed from the second ticket against 56.0 / 32.7 round-robin)."""
     if CLAIM:
         on = total > 2 * nprog
     else:
