@@ -75,14 +75,6 @@ def claims_ptr(table, rank, off_claims, CLAIM: tl.constexpr):
 
 
 @triton.jit
-def claim(claims, nprog):
-    """A ticket claimed from the launch's counter (``claims`` [next ticket, programs
-    finished]): 2 * nprog + the count, since every program's first two tickets are pid and
-    pid + nprog (``first_next``)."""
-    return 2 * nprog + tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def claiming(total, nprog, CLAIM: tl.constexpr):
     """Whether a CLAIM launch of ``total`` tickets claims any: only past two tickets per
     program. The first two are dealt round-robin (pid, pid + nprog: with programs placed in
@@ -112,9 +104,11 @@ def next_tickets(claims, ticket, nxt, nprog, on, CLAIM: tl.constexpr):
     """(the ticket after ``ticket``, the one after that) of a persistent GEMM program.
     Round-robin: ticket + nprog, and the second unused (0: nothing extra is carried through
     the loop). CLAIM: ``nxt``, and the one after it, claimed now (used a tile later) where
-    the launch claims (``claiming``: ``on``), else nxt + nprog. A claimed ticket is claimed
-    two tiles ahead, so its block meta is loaded a tile early as in the round-robin form,
-    with no dependent round trip between tiles."""
+    the launch claims (``claiming``: ``on``), else nxt + nprog. A claim is 2 * nprog + the
+    count of the launch's counter (``claims`` [next ticket, programs finished]), since every
+    program's first two tickets are pid and pid + nprog (``first_next``); it is claimed two
+    tiles ahead, so its block meta is loaded a tile early as in the round-robin form, with
+    no dependent round trip between tiles."""
     if CLAIM:
         old = tl.atomic_add(claims, 1, sem="relaxed", scope="gpu", mask=on)
         return nxt, tl.where(on, 2 * nprog + old, nxt + nprog)
