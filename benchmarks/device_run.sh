@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu,ab,floor (default env,test,gemm,ep)
+# AB_BASE=<commit> AB_ARGS="<moestream bench arguments>": the ab step runs them base, new, new, base
+#   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab);
+#   the floor step (benchmarks/launch_floor.py, FLOOR_SHAPE / FLOOR_VARIANTS / FLOOR_BLOCKS) then
+#   also runs the base's kernels, base first
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
@@ -70,6 +74,18 @@ fi
 if has probe; then
   timeout ${PROBE_TIMEOUT:-120} python3 -m moestream.cli probe ${PROBE_ARGS:---quick} \
     --out "$OUT/calib_probe.json" 2>&1 | tee "$OUT/probe.log" | tail -30
+fi
+if has ab; then
+  timeout ${AB_TIMEOUT:-300} python3 benchmarks/ab_commits.py run --base "$AB_BASE" \
+    --timeout ${AB_RUN_TIMEOUT:-120} --out "$OUT/ab.jsonl" -- $AB_ARGS 2>&1 | tee "$OUT/ab.log" | tail -30
+fi
+if has floor; then
+  for side in ${AB_BASE:+base} new; do
+    root=$PWD; [ "$side" = base ] && root=$PWD/benchmarks/.ab/$AB_BASE
+    PYTHONPATH=$root timeout ${FLOOR_TIMEOUT:-120} python3 benchmarks/launch_floor.py \
+      --shape ${FLOOR_SHAPE:-qwen3} --variants ${FLOOR_VARIANTS:-dec16} ${FLOOR_BLOCKS:+--blocks $FLOOR_BLOCKS} \
+      --out "$OUT/floor_$side.jsonl" 2>&1 | tee -a "$OUT/floor.log" | tail -16
+  done
 fi
 if has ncu; then
   # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item

@@ -168,6 +168,19 @@ class SymmBuffer:
     def global_rank(self, local: int) -> int:
         return self.rank0 + local
 
+    @property
+    def host_base(self) -> int | None:
+        """The local rank's buffer address where this process drives one rank (every real
+        rank, one virtual rank), else None. Kernels of such launches take it as a parameter
+        instead of loading ``table[rank]`` first (``kernels/_common.rank_base``)."""
+        return self._storage[0].data_ptr() if len(self._storage) == 1 else None
+
+    @property
+    def one_device(self) -> bool:
+        """Whether every rank's buffer is on this device (virtual ranks, or a group of one),
+        so that a release at GPU scope reaches every rank's kernels."""
+        return self.local_ranks == self.num_ranks
+
     def offsets(self) -> dict[str, int]:
         """Kernel arguments ``off_<region>``: every region's byte offset (and the reset span's)."""
         return {f"off_{n}": off for n, off in self.layout.offsets().items()} | {

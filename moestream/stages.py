@@ -1035,8 +1035,8 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         block_k=bk)
     split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
     sums, counts = _split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
-    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.max_spins,
-            buffer.timeout_ns,
+    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.host_base or 0,
+            buffer.max_spins, buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
             off["off_pool_act"], off["off_gemm_claims"], H, I, E_LOC, c.P, cfg.token_bytes,
@@ -1044,7 +1044,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split,
-              CLAIM=tuning.gemm_claim, **host_kw,
+              CLAIM=tuning.gemm_claim, HOST_BASE=buffer.host_base is not None, **host_kw,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
@@ -1075,21 +1075,22 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
         block_n=bn, block_k=bk)
     split = tuning.l2_split_k if dm and not tail and cfg.dtype == "bf16" else 1
     sums, counts = _split_scratch(buffer, tuning, "l2", split, (dm, bn))
-    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.max_spins,
-            buffer.timeout_ns,
+    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w2s), buffer.host_base or 0,
+            buffer.max_spins, buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
             off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
             off["off_l2_ranks_done"], off["off_gemm_claims"] + 16,   # the L2's row
             H, I, E_LOC, cfg.max_tokens_per_rank,
-            I // tuning.l1_tile(cfg)[0], c.P, c.R, cfg.act_bytes, *descs, sums, counts)
+            I // tuning.l1_tile(cfg)[0], c.P, c.R, c.R_PAD, cfg.act_bytes, *descs, sums, counts)
     flat = tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank" and not pieces
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
               WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
               GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank", FLAT=flat,
               CLAIM=tuning.gemm_claim and not flat,
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
-              DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, **host_kw,
+              DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, HOST_BASE=buffer.host_base is not None,
+              PEER_SCOPE="gpu" if buffer.one_device else "sys", **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),

@@ -153,8 +153,10 @@ def test_resident_programs_of_the_staged_gemms(compiled, compiled_fp8, compiled_
 
 def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
     # weights as the MMA row operand with 16 token columns: bf16 HGMMA / e4m3 GMMA, no
-    # spill; every decode GEMM fits two programs per SM (the fp8 L1, 128 wide: one scale
-    # group, in 3 stages)
+    # spill in the K loops; every decode GEMM fits two programs per SM (the fp8 L1, 128
+    # wide: one scale group, in 3 stages). The fp8 L1, at 255 registers, keeps 8 B of stack
+    # outside its K loops (two values per block) since the GEMMs take their block count
+    # and meta from the host's base address (session 27); the others none
     from moestream.stages import resident_per_sm
     want_fit = {("l1_kernel", "bf16"): 2, ("l2_kernel", "bf16"): 2,
                 ("l1_kernel", "fp8"): 2, ("l2_kernel", "fp8"): 2}
@@ -162,7 +164,9 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
     for key, fit in want_fit.items():
         row = compiled_decode[key]
         mma = row["e4m3_gmma"] if key[1] == "fp8" else row["hgmma"]
-        assert mma > 0 and row["hmma"] == 0 and row["stack_bytes"] == 0, row
+        assert mma > 0 and row["hmma"] == 0, row
+        assert all(lp["local_ops"] == 0 for lp in row["loops"] if lp["mma"]), row["loops"]
+        assert row["stack_bytes"] <= (8 if key == ("l1_kernel", "fp8") else 0), row
         assert resident_per_sm(registers=row["registers"], shared_bytes=row["shared_bytes"],
                                warps=row["num_warps"]) == fit, row
 

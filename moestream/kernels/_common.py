@@ -37,7 +37,7 @@ from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa
                                          globaltimer)
 
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
-           "peer_ptrs", "aligned_ptr_from",
+           "peer_ptrs", "aligned_ptr_from", "at", "rank_base",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
            "PHASE_CODES", "next_pow2"]
 
@@ -90,14 +90,39 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
-    """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar), which the
+    """Pointer to ``byte_offset`` inside rank ``rank``'s buffer (rank a scalar): ``at`` the
+    table's entry for that rank."""
+    return at(tl.load(table + rank).to(tl.int64), byte_offset, DTYPE)
+
+
+@triton.jit
+def at(base, byte_offset, DTYPE: tl.constexpr):
+    """Pointer to ``byte_offset`` inside the buffer at int64 address ``base``, which the
     compiler is told is 16-byte aligned: every caller passes a region start
     (moestream.layout.ALIGN) plus a multiple of 16, and buffers start 16-byte aligned
     (``SymmBuffer`` asserts it). Without that an address made from an integer is only known
     to be 1-byte aligned, and every row copy from it moved one value per instruction
     (benchmarks/NOTES.md, session 20)."""
-    base = tl.load(table + rank).to(tl.int64)
     return tl.multiple_of((base + byte_offset).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def rank_base(table, rank, host_base, HOST_BASE: tl.constexpr):
+    """int64 address of rank ``rank``'s buffer (this program's own rank): the kernel
+    parameter ``host_base`` where the host passes it (HOST_BASE: a launch that serves one
+    local rank, ``SymmBuffer.host_base``), else ``table[rank]``, a global load that a
+    pointer made from it waits for (sm_90 SASS of the decode GEMMs: table, then block
+    count, then meta, then the first TMA load).
+
+    Kernels take only the pointers on that path from it: an address from a kernel parameter
+    lives in the SM's few uniform registers, and with every region pointer of the decode L1
+    there the compiler moved the TMA descriptors' addresses out of them, into 18 more
+    instructions per K step (sm_90 SASS, session 27)."""
+    if HOST_BASE:
+        base = host_base.to(tl.int64)
+    else:
+        base = tl.load(table + rank).to(tl.int64)
+    return base
 
 
 @triton.jit

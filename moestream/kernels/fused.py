@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from triton.language.extra.cuda import smid
 
-from ._common import launch_context, now_ns, peer_ptr, peer_ptrs, stalled, tl, triton, wait_at_least
+from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, rank_base, stalled, tl,
+                      triton, wait_at_least)
 from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
@@ -296,7 +297,7 @@ def fused_kernel(
                     else:
                         a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, I, E_LOC,
                                                XB, BM, BN1, BK1, USE_TMA, FP8, DM, False)
-                    l1_either_block(mb, nb, meta, table, rank,
+                    l1_either_block(mb, nb, meta, rank_base(table, rank, 0, False),
                                     peer_ptr(table, rank, off_l1_done, tl.int32),
                                     peer_ptr(table, rank, off_pool_x, tl.bfloat16),
                                     peer_ptr(table, rank, off_pool_weight, tl.float32),
@@ -321,6 +322,7 @@ def fused_kernel(
                     l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
                     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
                     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+                    here = rank_base(table, rank, 0, False)
                     # (SPLIT_K first: a constexpr False leaves the branch uncompiled, where
                     # a2 is no pair of decode descriptors)
                     if SPLIT_K > 1 and S2 > 1:   # the rank's slots: tile mb * NB2 + nb
@@ -331,17 +333,17 @@ def fused_kernel(
                                       off_combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
                                       UPCAST, USE_TMA, DONE_SCOPE, EPI2, True)
                     elif L2G == 1:
-                        l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
+                        l2_either_block(mb, nb, NB2, meta, table, here, l2_done, pool_act,
                                         pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
                                         off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
                                         UPCAST, USE_TMA, DONE_SCOPE, True, EPI2, FP8, 0, 1, DM)
                     else:
                         for j in tl.range(0, L2G, flatten=True):
-                            l2_either_block(mb, nb * L2G + j, NB2, meta, table, rank, l2_done,
-                                            pool_act, pool_src, w2, w2_s, a2, wd2, off_pool_act,
-                                            off_combine_y, off_combine_flag, H, I, AB, T_MAX, R,
-                                            K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, False,
-                                            EPI2, FP8, 0, 1, DM)
+                            l2_either_block(mb, nb * L2G + j, NB2, meta, table, here,
+                                            l2_done, pool_act, pool_src, w2, w2_s, a2, wd2,
+                                            off_pool_act, off_combine_y, off_combine_flag, H, I,
+                                            AB, T_MAX, R, K, BM, BN2, BK2, UPCAST, USE_TMA,
+                                            DONE_SCOPE, False, EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
                                           off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
                 if SPLIT_K > 1 and S2 > 1:   # a split part claims when done (see above)

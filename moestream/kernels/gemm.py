@@ -33,8 +33,8 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import (aligned_ptr_from, launch_context, pdl_enter, peer_ptr,
-                      peer_ptrs, tl, to_bf16, triton, wait_at_least, zero_acc)
+from ._common import (aligned_ptr_from, at, launch_context, pdl_enter, peer_ptr,
+                      peer_ptrs, rank_base, tl, to_bf16, triton, wait_at_least, zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
                        l2_fp8_rows)
@@ -65,11 +65,11 @@ def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def claims_ptr(table, rank, off_claims, CLAIM: tl.constexpr):
-    """CLAIM: the launch's [next ticket, programs finished] in rank ``rank``'s buffer; else
-    the table (never read)."""
+def claims_ptr(table, base, off_claims, CLAIM: tl.constexpr):
+    """CLAIM: the launch's [next ticket, programs finished] in the rank's buffer at ``base``
+    (``rank_base``); else the table (never read)."""
     if CLAIM:
-        return peer_ptr(table, rank, off_claims, tl.int32)
+        return at(base, off_claims, tl.int32)
     else:
         return table
 
@@ -367,15 +367,16 @@ def split_count(tiles, nprog, SPLIT_K: tl.constexpr, MIN_S: tl.constexpr = 4):
 
 
 @triton.jit
-def split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K: tl.constexpr,
-               GROUP_M: tl.constexpr):
-    """A staged split-K launch of ``total`` tiles: (S, tile, m-block, n-block, its meta) of
-    program ``pid``, which runs part pid % S of that tile (``split_count``; S = 1: no split;
-    a tile >= total: no part for this program, meta 0)."""
-    S = split_count(total, nprog, SPLIT_K)
+def split_tile(pid, S, total, num_m, NB, block_meta, GROUP_M: tl.constexpr):
+    """Of a staged split-K launch of ``total`` tiles in S parts each (``split_count``, S >
+    1): (tile, m-block, n-block, its meta) of program ``pid``, which runs part pid % S of that
+    tile (a tile >= total: no part for this program, meta 0). Called only where S > 1, so a
+    launch that does not split keeps the first meta it loaded along with the block count
+    instead of one that waits for the count (sm_90 SASS: the decode L1 and L2 had table,
+    count, meta and the first tile load in a row)."""
     tile = pid // S
     mb, nb = l1_tile_of(tile, num_m, NB, GROUP_M)
-    return S, tile, mb, nb, tl.load(block_meta + mb, mask=tile < total, other=0)
+    return tile, mb, nb, tl.load(block_meta + mb, mask=tile < total, other=0)
 
 
 @triton.jit
@@ -486,22 +487,23 @@ def expert_weights(w_table, s_table, index, FP8: tl.constexpr, W4: tl.constexpr 
 
 
 @triton.jit
-def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
+def l1_fp8_pool_block(mb, nb, meta, here, l1_done, off_pool_x, off_pool_weight,
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
                       DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
                       W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
                       SIGNAL: tl.constexpr = True):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
-    bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
+    bytes per pool_x / pool_act row) of the rank's buffer at ``here`` (``rank_base``), then
+    the release of the m-block's ``l1_done``.
     DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there), or
     with TAIL only a block of at most DM rows (fuller ones: ``l1_fp8_block``).
     W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows."""
-    x_q = peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
-    x_s = peer_ptr(table, rank, off_pool_x + H, tl.float32)
-    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
-    act_q = peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
-    act_s = peer_ptr(table, rank, off_pool_act + I, tl.float32)
+    x_q = at(here, off_pool_x, tl.float8e4nv)
+    x_s = at(here, off_pool_x + H, tl.float32)
+    pool_w = at(here, off_pool_weight, tl.float32)
+    act_q = at(here, off_pool_act, tl.float8e4nv)
+    act_s = at(here, off_pool_act + I, tl.float32)
     if W4:   # MXFP4 weights: the block's valid rows in pieces of W4 rows
         for r0 in range(0, meta & 511, W4):
             l1_fp4w_rows(mb, r0, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
@@ -517,7 +519,7 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
 
 
 @triton.jit
-def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
+def l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool_act,
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
@@ -525,7 +527,8 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
                       SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0,
                       TAIL: tl.constexpr = False):
-    """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
+    """One fp8 L2 block over pool_act's byte rows (the rank's buffer at ``here``), into the
+    combine slots (``l2_epilogue``; ``table``: every rank's buffer).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
     DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; SIGNAL_ROWS after the last); with
@@ -533,8 +536,8 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
     else as usual (nothing when it holds none).
     W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
     SIGNAL_ROWS when W4 < BM / SPLIT_M)."""
-    act_q = peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
-    act_s = peer_ptr(table, rank, off_pool_act + I, tl.float32)
+    act_q = at(here, off_pool_act, tl.float8e4nv)
+    act_s = at(here, off_pool_act + I, tl.float32)
     if W4:
         BMT: tl.constexpr = BM // SPLIT_M   # l2_epilogue asserts pieces < BM do not signal rows
         vm = meta & 511
@@ -589,7 +592,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
 
 
 @triton.jit
-def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
+def l1_either_block(mb, nb, meta, here, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
@@ -597,9 +600,10 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
                     SIGNAL: tl.constexpr = True, ONE_DOT: tl.constexpr = False):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
-    rows (TAIL: only a block of at most DM rows). ONE_DOT: bf16 whole tiles (``l1_rows``)."""
+    rows (TAIL: only a block of at most DM rows). ONE_DOT: bf16 whole tiles (``l1_rows``).
+    ``here``: the rank's buffer address (``rank_base``)."""
     if FP8:
-        l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
+        l1_fp8_pool_block(mb, nb, meta, here, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
                           a_desc, w_desc, USE_TMA, W4, TAIL, SIGNAL)
     elif DM > 0:
@@ -614,6 +618,7 @@ def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act
 def l1_kernel(
     table, rank0, w13_table,   # int64[R] buffers, int64[local ranks] w13 bases
     w13s_table,                # FP8: int64[local ranks] w13_scale_inv bases
+    host_base,                 # HOST_BASE: this rank's buffer address (else unused)
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_arrival, off_l1_done,
     off_pool_x, off_pool_weight, off_pool_act,
@@ -628,7 +633,7 @@ def l1_kernel(
     FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
     GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False, HOST_BASE: tl.constexpr = False,
 ):
     """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
@@ -654,7 +659,10 @@ def l1_kernel(
     CLAIM: after its first two tickets (pid, pid + nprog) a program claims each next one
     from a counter (``next_tickets``) instead of taking every nprog-th: a program held up by
     a costly block (a hot expert's block of several decode pieces) then takes fewer of the
-    rest. A launch of at most two tickets per program claims none (``claiming``)."""
+    rest. A launch of at most two tickets per program claims none (``claiming``).
+    HOST_BASE (one local rank): ``host_base`` is this rank's buffer address (``rank_base``),
+    so the block count and the first meta load at once, not after a load of the table (the
+    other regions' pointers still come from the table: see ``rank_base``)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
@@ -662,14 +670,16 @@ def l1_kernel(
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
+    first = rank_base(table, rank, host_base, HOST_BASE)   # for the first loads only
+    here = rank_base(table, rank, 0, False)
     w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
-    block_start = peer_ptr(table, rank, off_block_start, tl.int32)
-    block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
-    arrival = peer_ptr(table, rank, off_arrival, tl.int32)
-    l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
-    pool_x = peer_ptr(table, rank, off_pool_x, tl.bfloat16)
-    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
-    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
+    block_start = at(first, off_block_start, tl.int32)
+    block_meta = at(first, off_block_meta, tl.int32)
+    arrival = at(here, off_arrival, tl.int32)
+    l1_done = at(here, off_l1_done, tl.int32)
+    pool_x = at(here, off_pool_x, tl.bfloat16)
+    pool_w = at(here, off_pool_weight, tl.float32)
+    pool_act = at(here, off_pool_act, tl.bfloat16)
     # the block count and the first block's meta before the descriptors: their loads are in
     # flight while each descriptor is written and fenced (a round trip each)
     NB = I // BN
@@ -693,25 +703,23 @@ def l1_kernel(
     elif USE_TMA and not FP8:  # bulk tensor copies (TMA) of the A rows and the weight tiles
         a_desc, w_desc = l1_descriptors(pool_x, w13, P, H, I, E_LOC, BM, BN, BK, ONE_DOT)
     if SPLIT_K > 1:
-        # (with S = 1, nb and meta are again this program's first ticket's, as the loop
-        # below expects them)
-        S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
-                                           GROUP_M)
+        S = split_count(total, nprog, SPLIT_K)
         if S > 1:   # one part per program: total * S <= nprog
+            tile, mb, nb, meta_s = split_tile(pid, S, total, num_m, NB, block_meta, GROUP_M)
             if tile < total:
                 if WAIT:
-                    ok = wait_at_least(arrival + mb, (meta & 511) * PARTS, diag, max_spins,
+                    ok = wait_at_least(arrival + mb, (meta_s & 511) * PARTS, diag, max_spins,
                                        timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                        USE_TIMER=USE_TIMER)
                 if ok:
                     # this local rank's slots: [local ranks, programs, ...] (stages.l1)
-                    l1_split_part(tile, pid % S, S, mb, nb, meta, l1_done, pool_x, pool_w,
+                    l1_split_part(tile, pid % S, S, mb, nb, meta_s, l1_done, pool_x, pool_w,
                                   pool_act, w13, a_desc, w_desc,
                                   split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM),
                                   split_counts + lr * nprog, H, I, BM, BN, BK, DM, UPCAST,
                                   USE_TMA, SIGNAL)
             ticket = total   # the loop below has nothing left
-    claims = claims_ptr(table, rank, off_claims, CLAIM)
+    claims = claims_ptr(table, here, off_claims, CLAIM)
     on = claiming(total, nprog, CLAIM)
     nxt = first_next(pid, nprog, CLAIM)
     while (ticket < total) & ok:
@@ -724,7 +732,7 @@ def l1_kernel(
                                timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x,
+            l1_either_block(mb, nb, meta, here, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
                             USE_TMA, FP8, DM, W4, TAIL, SIGNAL, ONE_DOT)
@@ -979,7 +987,7 @@ def signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_
 
 
 @triton.jit
-def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2, w2_s,
+def l2_either_block(mb, nb, NB, meta, table, here, l2_done, pool_act, pool_src, w2, w2_s,
                     a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
                     T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -988,9 +996,10 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l2_block``), row piece ``sub`` of SPLIT_M, or
-    in decode pieces of DM rows (TAIL: only a row piece of at most DM valid rows)."""
+    in decode pieces of DM rows (TAIL: only a row piece of at most DM valid rows).
+    ``here``: the rank's buffer address (``rank_base``)."""
     if FP8:
-        l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
+        l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
                           USE_TMA, sub, SPLIT_M, DM, W4, TAIL)
@@ -1009,6 +1018,7 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
 def l2_kernel(
     table, rank0, w2_table,    # int64[R] buffers, int64[local ranks] w2 bases
     w2s_table,                 # FP8: int64[local ranks] w2_scale_inv bases
+    host_base,                 # HOST_BASE: this rank's buffer address (else unused)
     max_spins, timeout_ns,
     off_epoch, off_diag, off_block_start, off_block_meta, off_l1_done, off_l2_done,
     off_pool_act, off_pool_src, off_combine_y, off_combine_flag, off_l2_programs,
@@ -1016,6 +1026,7 @@ def l2_kernel(
     off_claims,                # CLAIM: this GEMM's [next ticket, programs finished]
     H, I, E_LOC, T_MAX, NB1, P,
     R: tl.constexpr,           # ranks: the combine-slot stores unroll over them
+    R_PAD: tl.constexpr,       # R rounded up to a power of two (the rank signal's vector)
     AB,                        # FP8: bytes per pool_act row
     ad0, ad1, wd,              # HOST_DESC: the descriptors built on the host (else None)
     split_sums, split_counts,  # SPLIT_K > 1: fp32 [local ranks, programs, DM, BN] and
@@ -1027,16 +1038,19 @@ def l2_kernel(
     EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False, PEER_SCOPE: tl.constexpr = "sys",
 ):
-    """FP8, W4, HOST_DESC, CLAIM (not with FLAT): as ``l1_kernel``; the output tile is
-    rounded to bf16 for the combine slots.
+    """FP8, W4, HOST_DESC, CLAIM (not with FLAT), HOST_BASE: as ``l1_kernel``; the output
+    tile is rounded to bf16 for the combine slots.
     GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
     their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
     RANK_SIGNAL: instead of counting every tile per m-block and releasing each row's combine
     flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
     itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
-    on every rank (system scope); the staged combine waits for R there.
+    on every rank (at PEER_SCOPE: "sys", or "gpu" where every rank's buffer is on this GPU,
+    ``SymmBuffer.one_device``; their addresses loaded at the start, not after the count);
+    the staged combine waits for R there.
     DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1);
     with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual.
     SPLIT_K > 1 (bf16 decode pieces, no tail pieces): as ``l1_kernel``'s, S >= 4 programs
@@ -1050,15 +1064,21 @@ def l2_kernel(
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
     tl.static_assert(not (CLAIM and FLAT), "claimed tickets: the plain loop")
+    tl.static_assert(PEER_SCOPE == "sys" or PEER_SCOPE == "gpu", "peer scope: sys or gpu")
     pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
+    first = rank_base(table, rank, host_base, HOST_BASE)   # for the first loads only
+    here = rank_base(table, rank, 0, False)
     w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
-    block_start = peer_ptr(table, rank, off_block_start, tl.int32)
-    block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
-    l1_done = peer_ptr(table, rank, off_l1_done, tl.int32)
-    l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
-    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
-    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+    block_start = at(first, off_block_start, tl.int32)
+    block_meta = at(first, off_block_meta, tl.int32)
+    l1_done = at(here, off_l1_done, tl.int32)
+    l2_done = at(here, off_l2_done, tl.int32)
+    pool_act = at(here, off_pool_act, tl.bfloat16)
+    pool_src = at(here, off_pool_src, tl.int32)
+    peers = tl.arange(0, R_PAD)
+    if RANK_SIGNAL:   # every rank's l2_ranks_done, for the last program's release
+        ranks_done = peer_ptrs(table, peers, off_l2_ranks_done, peers < R, tl.int32)
     # the block count and the first block's meta before the descriptors (as in l1_kernel)
     NB = H // BN
     num_m = tl.load(block_start + E_LOC) * SPLIT_M   # row pieces (m-blocks when SPLIT_M = 1)
@@ -1088,11 +1108,9 @@ def l2_kernel(
         else:
             a_desc, w_desc = l2_descriptors(pool_act, w2, P, H, I, E_LOC, BMT, BN, BK)
     if SPLIT_K > 1:
-        # (with S = 1, nb and meta are again this program's first ticket's, as the loop
-        # below expects them)
-        S, tile, mb, nb, meta = split_tile(pid, nprog, total, num_m, NB, block_meta, SPLIT_K,
-                                           GROUP_M)
+        S = split_count(total, nprog, SPLIT_K)
         if S > 1:   # one part per program: total * S <= nprog
+            tile, mb, nb_s, meta_s = split_tile(pid, S, total, num_m, NB, block_meta, GROUP_M)
             if tile < total:
                 if WAIT:
                     ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
@@ -1100,8 +1118,8 @@ def l2_kernel(
                                        USE_TIMER=USE_TIMER)
                 if ok:
                     # this local rank's slots: [local ranks, programs, ...] (stages.l2)
-                    l2_split_part(tile, pid % S, S, mb, nb, NB, meta, table, l2_done, pool_act,
-                                  pool_src, w2, a_desc, w_desc,
+                    l2_split_part(tile, pid % S, S, mb, nb_s, NB, meta_s, table, l2_done,
+                                  pool_act, pool_src, w2, a_desc, w_desc,
                                   split_sums + (lr * nprog).to(tl.int64) * (BN * DM),
                                   split_counts + lr * nprog, off_combine_y, off_combine_flag,
                                   H, I, T_MAX, R, K, BM, BN, BK, DM, UPCAST, USE_TMA,
@@ -1113,13 +1131,13 @@ def l2_kernel(
         for t in tl.range(pid, total, nprog, flatten=True):
             pm, nb = grouped_tile(t, num_m, NB, GROUP_M)
             mb = pm // SPLIT_M
-            l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, rank, l2_done,
+            l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, here, l2_done,
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
                             pm % SPLIT_M, SPLIT_M, DM, W4, TAIL)
         ticket = total   # the loop below has nothing left
-    claims = claims_ptr(table, rank, off_claims, CLAIM)
+    claims = claims_ptr(table, here, off_claims, CLAIM)
     on = claiming(total, nprog, CLAIM)
     nxt = first_next(pid, nprog, CLAIM)
     while (ticket < total) & ok:
@@ -1132,7 +1150,7 @@ def l2_kernel(
                                rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
+            l2_either_block(mb, nb, NB, meta, table, here, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
                             not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4,
@@ -1147,9 +1165,7 @@ def l2_kernel(
             tl.debug_barrier()  # this program's rows are stored before it counts itself
             # gpu scope between the programs of this GPU, then one cumulative system-scope
             # release per rank by the last one (the reasoning of DONE_SCOPE in l2_epilogue)
-            done = tl.atomic_add(peer_ptr(table, rank, off_l2_programs, tl.int32), 1,
+            done = tl.atomic_add(at(here, off_l2_programs, tl.int32), 1,
                                  sem="acq_rel", scope="gpu")
             if done == nprog - 1:
-                for s in range(0, R):
-                    tl.atomic_add(peer_ptr(table, s, off_l2_ranks_done, tl.int32), 1,
-                                  sem="release", scope="sys")
+                tl.atomic_add(ranks_done, 1, mask=peers < R, sem="release", scope=PEER_SCOPE)
