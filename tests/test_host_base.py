@@ -1,0 +1,96 @@
+"""The staged GEMMs' first loads (session 27): a launch that serves one local rank (every
+real rank, one virtual rank) takes that rank's buffer address from the host
+(``SymmBuffer.host_base``, kernel parameter ``host_base`` with ``HOST_BASE``) for its block
+count and first meta, and the L2's last program releases every rank's ``l2_ranks_done`` at
+GPU scope where every rank's buffer is on this GPU (``SymmBuffer.one_device``).
+
+The layer's numerics over these launches are covered by every one-rank case of the kernel
+suites (a wrong base reads another region's words as the block count); here a spy on the
+two GEMM kernels asserts which form each launch took, so that a case which silently fell
+back to the table would not pass as a test of the host form, and the layer still matches
+the reference in both forms.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moestream import stages
+from moestream.buffer import SymmBuffer
+from moestream.layer import mega_moe_virtual
+from moestream.testing import make_weights
+
+from conftest import KERNEL_DEVICES
+from test_kernels_virtual import check_layer, make_case, small_config
+
+HOST_BASE_ARG = 4   # l1_kernel / l2_kernel: (table, rank0, weights, scales, host_base, ...)
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records (kernel name, args, kwargs) of each launch."""
+
+    def __init__(self, kernel, seen: list) -> None:
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.seen.append((self.kernel.fn.__name__, args, kw))
+            return launch(*args, **kw)
+        return run
+
+    def __getattr__(self, name):   # warmup, fn, ... (stages._programs on GPUs)
+        return getattr(self.kernel, name)
+
+
+@pytest.fixture
+def gemm_launches(monkeypatch) -> list:
+    seen: list = []
+    for name in ("l1_kernel", "l2_kernel"):
+        monkeypatch.setattr(stages._gemm, name, _Spy(getattr(stages._gemm, name), seen))
+    return seen
+
+
+def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
+    cfg = small_config()
+    one = SymmBuffer(cfg, num_ranks=1, device=device)
+    assert one.host_base == one.view("epoch").data_ptr() - one.layout["epoch"].offset
+    assert one.host_base == int(one.table[0])
+    assert SymmBuffer(cfg, num_ranks=4, device=device).host_base is None   # 4 local ranks
+    assert one.one_device and SymmBuffer(cfg, num_ranks=2, device=device).one_device
+    # a real rank of a group of two: one local rank, peers on other GPUs
+    assert not SymmBuffer.one_device.fget(SimpleNamespace(local_ranks=1, num_ranks=2))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R,Ts,tuning", [
+    # one rank, decode pieces with split-K parts (T=1: few tiles): the split branch loads its
+    # own meta, the unsplit one keeps the first
+    (1, [1], stages.Tuning(decode_rows=16, l1_split_k=4, l2_split_k=4, l2_block_n=64,
+                           wait=False)),
+    # one rank, whole tiles, T not a multiple of block_m, waits on (counts and signals)
+    (1, [23], stages.Tuning()),
+    # one rank, claimed tickets in decode pieces (the claim counter's pointer)
+    (1, [21], stages.Tuning(decode_rows=16, gemm_claim=True, programs=3)),
+    # two local ranks: the table form (each program's rank picks its own buffer)
+    (2, [5, 19], stages.Tuning(decode_rows=16, l2_block_n=64)),
+])
+def test_gemms_take_the_host_base_with_one_local_rank(device, gen, gemm_launches, R, Ts,
+                                                      tuning):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16,
+                     device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    assert sorted(name for name, _, _ in gemm_launches) == ["l1_kernel", "l2_kernel"]
+    for name, args, kw in gemm_launches:
+        assert kw["HOST_BASE"] == (R == 1), (name, kw["HOST_BASE"])
+        assert args[HOST_BASE_ARG] == (buf.host_base if R == 1 else 0), name
+        if name == "l2_kernel":   # virtual ranks share this device: GPU-scope release
+            assert kw["PEER_SCOPE"] == "gpu"
