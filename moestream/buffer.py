@@ -168,12 +168,16 @@ class SymmBuffer:
     def global_rank(self, local: int) -> int:
         return self.rank0 + local
 
+    def address(self, local: int) -> int:
+        """Local rank ``local``'s buffer address (its entry of ``table``)."""
+        return self._storage[local].data_ptr()
+
     @property
     def host_base(self) -> int | None:
         """The local rank's buffer address where this process drives one rank (every real
         rank, one virtual rank), else None. Kernels of such launches take it as a parameter
         instead of loading ``table[rank]`` first (``kernels/_common.rank_base``)."""
-        return self._storage[0].data_ptr() if len(self._storage) == 1 else None
+        return self.address(0) if len(self._storage) == 1 else None
 
     @property
     def one_device(self) -> bool:

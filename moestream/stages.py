@@ -876,7 +876,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     copy = max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1)
     n = T * cfg.top_k
     _dispatch.publish_kernel[(copy + cfg.num_experts + 1,)](
-        buffer.table, buffer.global_rank(local), x, topk_idx, topk_weights,
+        buffer.table, buffer.global_rank(local), buffer.address(local), x, topk_idx, topk_weights,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
         cfg.token_bytes, copy, off["off_epoch"], off["off_ready"], off["off_published"],
         off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
@@ -885,7 +885,8 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
         BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
-        FIX_ROUNDING=INTERPRET, **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, HOST_BASE=True, **tuning.pdl_args(buffer),
+        **_launch_kw(tuning.copy_warps))
 
 
 def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False) -> None:
@@ -895,14 +896,14 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
     off = c.off
     cfg = buffer.config
     _dispatch.layout_kernel[(buffer.local_ranks,)](
-        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns,
+        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, buffer.host_base or 0,
         off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
         off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
         off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
         R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_J=8, USE_TIMER=not INTERPRET, WAVES=waves,
-        **tuning.pdl_args(buffer))
+        HOST_BASE=buffer.host_base is not None, **tuning.pdl_args(buffer))
 
 
 def _row_chunk(words: int, hidden_chunk: int) -> int:
@@ -928,15 +929,15 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     off = c.off
     grid = (_programs(buffer, tuning, 4), buffer.local_ranks)
     _dispatch.dispatch_kernel[grid](
-        buffer.table, buffer.rank0,
+        buffer.table, buffer.rank0, buffer.host_base or 0,
         off["off_epoch"], off["off_diag"], off["off_src_row"], off["off_src_tokens"],
         off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
         off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
         BH=_row_chunk(c.row_words, tuning.hidden_chunk), TT=tuning.dispatch_tile,
-        EAGER=tuning.dispatch_eager, SIGNAL=tuning.wait, **tuning.pdl_args(buffer),
-        **_launch_kw(tuning.copy_warps))
+        EAGER=tuning.dispatch_eager, SIGNAL=tuning.wait, HOST_BASE=buffer.host_base is not None,
+        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1107,15 +1108,16 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     grid = (_programs(buffer, tuning, tuning.combine_per_sm), buffer.local_ranks)
     _combine.combine_kernel[grid](
-        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, y3, y3.stride(0),
-        y3.stride(1),
+        buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, buffer.host_base or 0,
+        y3, y3.stride(0), y3.stride(1),
         off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
         off["off_combine_y"], off["off_combine_flag"], off["off_l2_ranks_done"],
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD,
         BH=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        **tuning.pdl_args(buffer), **_launch_kw(tuning.combine_warps or tuning.copy_warps))
+        HOST_BASE=buffer.host_base is not None, **tuning.pdl_args(buffer),
+        **_launch_kw(tuning.combine_warps or tuning.copy_warps))
 
 
 def run_staged(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],

@@ -1,14 +1,17 @@
-"""The staged GEMMs' first loads (session 27): a launch that serves one local rank (every
+"""The staged launches' first loads (session 27): a launch that serves one local rank (every
 real rank, one virtual rank) takes that rank's buffer address from the host
-(``SymmBuffer.host_base``, kernel parameter ``host_base`` with ``HOST_BASE``) for its block
-count and first meta, and the L2's last program releases every rank's ``l2_ranks_done`` at
-GPU scope where every rank's buffer is on this GPU (``SymmBuffer.one_device``).
+(``SymmBuffer.host_base``, kernel parameter ``host_base`` with ``HOST_BASE``) instead of
+loading it from the table ahead of everything else: the GEMMs for their block count and
+first meta, layout, dispatch and combine for their epoch and counts; publish, one launch
+per local rank, always (``SymmBuffer.address``). The L2's last program releases every
+rank's ``l2_ranks_done`` at GPU scope where every rank's buffer is on this GPU
+(``SymmBuffer.one_device``).
 
 The layer's numerics over these launches are covered by every one-rank case of the kernel
 suites (a wrong base reads another region's words as the block count); here a spy on the
-two GEMM kernels asserts which form each launch took, so that a case which silently fell
-back to the table would not pass as a test of the host form, and the layer still matches
-the reference in both forms.
+kernels asserts which form each launch took, so that a case which silently fell back to
+the table would not pass as a test of the host form, and the layer still matches the
+reference in both forms.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ from moestream.testing import make_weights
 from conftest import KERNEL_DEVICES
 from test_kernels_virtual import check_layer, make_case, small_config
 
-HOST_BASE_ARG = 4   # l1_kernel / l2_kernel: (table, rank0, weights, scales, host_base, ...)
+# where each kernel takes host_base: (table, rank0, weights, scales, host_base, ...),
+# (table, rank, host_base, ...), (table, rank0, max_spins, timeout_ns, host_base, ...)
+HOST_BASE_ARG = {"l1_kernel": 4, "l2_kernel": 4, "publish_kernel": 2, "dispatch_kernel": 2,
+                 "layout_kernel": 4, "combine_kernel": 4}
 
 
 class _Spy:
@@ -47,10 +53,14 @@ class _Spy:
 
 
 @pytest.fixture
-def gemm_launches(monkeypatch) -> list:
+def launches(monkeypatch) -> list:
     seen: list = []
-    for name in ("l1_kernel", "l2_kernel"):
-        monkeypatch.setattr(stages._gemm, name, _Spy(getattr(stages._gemm, name), seen))
+    for module, names in ((stages._gemm, ("l1_kernel", "l2_kernel")),
+                          (stages._dispatch, ("publish_kernel", "layout_kernel",
+                                              "dispatch_kernel")),
+                          (stages._combine, ("combine_kernel",))):
+        for name in names:
+            monkeypatch.setattr(module, name, _Spy(getattr(module, name), seen))
     return seen
 
 
@@ -59,7 +69,9 @@ def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
     one = SymmBuffer(cfg, num_ranks=1, device=device)
     assert one.host_base == one.view("epoch").data_ptr() - one.layout["epoch"].offset
     assert one.host_base == int(one.table[0])
-    assert SymmBuffer(cfg, num_ranks=4, device=device).host_base is None   # 4 local ranks
+    four = SymmBuffer(cfg, num_ranks=4, device=device)
+    assert four.host_base is None   # 4 local ranks: each program's rank picks its buffer
+    assert [four.address(r) for r in range(4)] == four.table.tolist()
     assert one.one_device and SymmBuffer(cfg, num_ranks=2, device=device).one_device
     # a real rank of a group of two: one local rank, peers on other GPUs
     assert not SymmBuffer.one_device.fget(SimpleNamespace(local_ranks=1, num_ranks=2))
@@ -78,8 +90,8 @@ def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
     # two local ranks: the table form (each program's rank picks its own buffer)
     (2, [5, 19], stages.Tuning(decode_rows=16, l2_block_n=64)),
 ])
-def test_gemms_take_the_host_base_with_one_local_rank(device, gen, gemm_launches, R, Ts,
-                                                      tuning):
+def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, R, Ts,
+                                                         tuning):
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
@@ -88,9 +100,17 @@ def test_gemms_take_the_host_base_with_one_local_rank(device, gen, gemm_launches
                      device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
-    assert sorted(name for name, _, _ in gemm_launches) == ["l1_kernel", "l2_kernel"]
-    for name, args, kw in gemm_launches:
+    assert sorted(name for name, _, _ in launches) == sorted(
+        ["publish_kernel"] * R + ["layout_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel",
+         "combine_kernel"])
+    published = []
+    for name, args, kw in launches:
+        if name == "publish_kernel":   # one launch per local rank, each with its own buffer
+            assert kw["HOST_BASE"] is True
+            published.append((args[1], args[HOST_BASE_ARG[name]]))
+            continue
         assert kw["HOST_BASE"] == (R == 1), (name, kw["HOST_BASE"])
-        assert args[HOST_BASE_ARG] == (buf.host_base if R == 1 else 0), name
+        assert args[HOST_BASE_ARG[name]] == (buf.host_base if R == 1 else 0), name
         if name == "l2_kernel":   # virtual ranks share this device: GPU-scope release
             assert kw["PEER_SCOPE"] == "gpu"
+    assert sorted(published) == [(r, buf.address(r)) for r in range(R)]

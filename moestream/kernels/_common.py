@@ -140,13 +140,16 @@ def peer_ptrs(table, ranks, byte_offsets, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def launch_context(table, rank0, off_epoch, off_diag):
+def launch_context(table, rank0, off_epoch, off_diag, host_base=0,
+                   HOST_BASE: tl.constexpr = False):
     """Where a program of a grid (programs, local ranks) stands: (program, programs, local
-    rank, rank, this call's epoch, the rank's diag words)."""
+    rank, rank, this call's epoch, the rank's diag words). HOST_BASE: the rank's words at
+    ``host_base`` (``rank_base``)."""
     lr = tl.program_id(1)
     rank = rank0 + lr
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
-    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    here = rank_base(table, rank, host_base, HOST_BASE)
+    epoch = tl.load(at(here, off_epoch, tl.int32))
+    diag = at(here, off_diag, tl.int32)
     return tl.program_id(0), tl.num_programs(0), lr, rank, epoch, diag
 
 

@@ -11,12 +11,12 @@ is walked in BH-wide chunks so a program never holds more than CT x BH values. P
 """
 from __future__ import annotations
 
-from ._common import (launch_context, pdl_enter, peer_ptr, tl, to_bf16, triton,
+from ._common import (at, launch_context, pdl_enter, rank_base, tl, to_bf16, triton,
                       wait_all_at_least, wait_at_least)
 
 
 @triton.jit
-def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, timeout_ns,
+def combine_tokens(here, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, timeout_ns,
                    epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
                    K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, TT: tl.constexpr,
                    FIX_ROUNDING: tl.constexpr, USE_TIMER: tl.constexpr,
@@ -24,13 +24,14 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
     """One combine task: tokens [t0, t0 + n), TT at a time: wait for their valid picks'
     flags (WAIT_FLAGS; without, the caller has already waited for every rank's L2), then
     y[t, h] = fp32 sum over k of combine_y[t, k, h] (y row t at y_ptr + t * y_stride) for
-    columns h in [h_lo, h_hi) (default: all H). Returns False if a wait gave up."""
+    columns h in [h_lo, h_hi) (default: all H). ``here``: rank ``rank``'s buffer address
+    (``rank_base``). Returns False if a wait gave up."""
     if h_hi < 0:
         h_hi = H
     k = tl.arange(0, K_PAD)
     km = k < K
-    flags = peer_ptr(table, rank, off_combine_flag, tl.int32)
-    slots = peer_ptr(table, rank, off_combine_y, tl.bfloat16)
+    flags = at(here, off_combine_flag, tl.int32)
+    slots = at(here, off_combine_y, tl.bfloat16)
     ok = t0 >= 0
     i = 0
     while (i < n) & ok:
@@ -38,7 +39,7 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
         tm = t < t0 + n
         tk = t.to(tl.int64)[:, None] * K + k[None, :]                               # [TT, K_PAD]
         pick = tm[:, None] & km[None, :]
-        idx = tl.load(peer_ptr(table, rank, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
+        idx = tl.load(at(here, off_topk_idx, tl.int32) + par64 * T_MAX * K + tk,
                       mask=pick, other=-1)
         valid = pick & (idx >= 0) & (idx < E)
         if WAIT_FLAGS:
@@ -65,29 +66,38 @@ def combine_tokens(table, rank, t0, n, par64, y_ptr, y_stride, diag, max_spins, 
 @triton.jit
 def combine_kernel(
     table, rank0, max_spins, timeout_ns,
+    host_base,             # HOST_BASE: this rank's buffer address (else unused)
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
     y_rank_stride, y_stride,
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
     off_l2_ranks_done, T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False, PDL: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False,
 ):
     """WAIT_RANKS: wait once for every rank's L2 (``l2_ranks_done`` reaching R, released by
-    the L2 kernel with RANK_SIGNAL) instead of per pick flags."""
+    the L2 kernel with RANK_SIGNAL) instead of per pick flags.
+    HOST_BASE (one local rank): the rank's buffer address is ``host_base`` (``rank_base``),
+    not a load of the table ahead of the epoch, and again after the wait (sm_90 SASS:
+    table, epoch, token count, wait, table, picks, slots in a row); both parities' token
+    counts load with the epoch."""
     pdl_enter(PDL)
-    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag,
+                                                       host_base, HOST_BASE)
+    here = rank_base(table, rank, host_base, HOST_BASE)
+    counts = tl.load(at(here, off_num_tokens, tl.int32) + tl.arange(0, 2))   # both parities
     par64 = (epoch & 1).to(tl.int64)
-    T = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
+    T = tl.sum(tl.where(tl.arange(0, 2) == par64, counts, 0), axis=0)
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
     t = pid
     ok = pid >= 0
     if WAIT_RANKS:
         if T > pid:
-            ok = wait_at_least(peer_ptr(table, rank, off_l2_ranks_done, tl.int32), R, diag,
+            ok = wait_at_least(at(here, off_l2_ranks_done, tl.int32), R, diag,
                                max_spins, timeout_ns, 5, rank, 0, epoch, -1, SCOPE="sys",
                                USE_TIMER=USE_TIMER)
     while (t < T) & ok:
-        ok = combine_tokens(table, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
+        ok = combine_tokens(here, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
                             epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
                             K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER, not WAIT_RANKS)
         t += nprog

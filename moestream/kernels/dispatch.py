@@ -19,8 +19,8 @@ where a row is e4m3 values followed by their fp32 scales).
 """
 from __future__ import annotations
 
-from ._common import (launch_context, pdl_enter, peer_ptr, peer_ptrs, tl, triton,
-                      wait_at_least)
+from ._common import (at, launch_context, pdl_enter, peer_ptr, peer_ptrs, rank_base, tl,
+                      triton, wait_at_least)
 from .gemm_fp8 import quant_rows_128
 
 
@@ -64,6 +64,7 @@ def source_slots_kernel(
 def publish_kernel(
     table,            # int64[R]: base address of each rank's buffer
     rank,             # the rank whose inputs these are
+    host_base,        # HOST_BASE: that rank's buffer address (else unused)
     x_TH,             # bf16 [T, H], row stride x_stride
     topk_idx_TK,      # int32/int64 [T, K]
     topk_w_TK,        # fp32 [T, K]
@@ -74,6 +75,7 @@ def publish_kernel(
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr, BLOCK: tl.constexpr,
     QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False,
 ):
     """One rank's inputs of the next call into its buffer, then the signal that publishes
     them. Grid E + 1 + COPY: program e <= E numbers expert e's picks into ``slot`` and
@@ -84,23 +86,28 @@ def publish_kernel(
     (release, system scope; cumulative over the other programs' stores, which it acquired).
 
     QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
-    128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128)."""
+    128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128).
+
+    HOST_BASE: the rank's buffer address is ``host_base`` (``rank_base``; the host knows it
+    for every local rank, one launch each), so the epoch, and the stores whose addresses
+    follow from it, do not wait for a load of the table first."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
+    here = rank_base(table, rank, host_base, HOST_BASE)
+    epoch = tl.load(at(here, off_epoch, tl.int32))
     par = (epoch + 1) & 1   # the signal below makes epoch + 1 current
     meta0 = par.to(tl.int64) * T_MAX * K
     c = pid - (E + 1)   # copy program c
     if c < 0:
-        number_picks(topk_idx_TK, peer_ptr(table, rank, off_slot, tl.int32) + meta0,
-                     peer_ptr(table, rank, off_send_counts, tl.int32) + par * E, T * K,
+        number_picks(topk_idx_TK, at(here, off_slot, tl.int32) + meta0,
+                     at(here, off_send_counts, tl.int32) + par * E, T * K,
                      pid, E, BLOCK)
     else:
         # Zero this program's share of the per-call counters (arrival, l1_done,
         # combine_flag). Peers write combine_flag only after this call's ready flag, which
         # this launch sets after every program is done.
-        zero_ptr = peer_ptr(table, rank, off_reset, tl.int32)
+        zero_ptr = at(here, off_reset, tl.int32)
         per_prog = tl.cdiv(tl.cdiv(reset_words, COPY), BZ) * BZ
         z = c * per_prog
         z_end = tl.minimum(z + per_prog, reset_words)
@@ -115,8 +122,8 @@ def publish_kernel(
         t64 = t.to(tl.int64)
         if QUANT:
             row64 = par.to(tl.int64) * T_MAX + t64
-            q_dst = peer_ptr(table, rank, off_x, tl.float8e4nv) + row64 * XB
-            s_dst = peer_ptr(table, rank, off_x + H, tl.float32) + row64 * (XB // 4)
+            q_dst = at(here, off_x, tl.float8e4nv) + row64 * XB
+            s_dst = at(here, off_x + H, tl.float32) + row64 * (XB // 4)
             G: tl.constexpr = BH // 128
             for h0 in range(0, H, BH):
                 h = h0 + tl.arange(0, BH)
@@ -129,7 +136,7 @@ def publish_kernel(
                 tl.store(s_dst[:, None] + g[None, :], scale,
                          mask=tm[:, None] & (g[None, :] * 128 < H))
         else:
-            x_dst = peer_ptr(table, rank, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
+            x_dst = at(here, off_x, tl.bfloat16) + par.to(tl.int64) * T_MAX * H
             for h0 in range(0, H, BH):
                 h = h0 + tl.arange(0, BH)
                 hm = h < H
@@ -141,44 +148,45 @@ def publish_kernel(
         tk_mask = tm[:, None] & (k[None, :] < K)
         tk = t64[:, None] * K + k[None, :]
         idx = tl.load(topk_idx_TK + tk, mask=tk_mask, other=-1).to(tl.int32)
-        tl.store(peer_ptr(table, rank, off_topk_idx, tl.int32) + meta0 + tk, idx, mask=tk_mask)
-        tl.store(peer_ptr(table, rank, off_topk_weights, tl.float32) + meta0 + tk,
+        tl.store(at(here, off_topk_idx, tl.int32) + meta0 + tk, idx, mask=tk_mask)
+        tl.store(at(here, off_topk_weights, tl.float32) + meta0 + tk,
                  tl.load(topk_w_TK + tk, mask=tk_mask, other=0.0), mask=tk_mask)
         n_bad = tl.sum(tl.sum((tk_mask & ((idx < -1) | (idx >= E))).to(tl.int32), axis=1),
                        axis=0)
         if n_bad > 0:
-            tl.atomic_add(peer_ptr(table, rank, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
+            tl.atomic_add(at(here, off_diag, tl.int32) + 8, n_bad, sem="relaxed")
         if c == 0:
-            tl.store(peer_ptr(table, rank, off_num_tokens, tl.int32) + par, T)
+            tl.store(at(here, off_num_tokens, tl.int32) + par, T)
 
     # the signal, by the last program to finish
     tl.debug_barrier()   # every thread's stores of this program precede its count
-    published = peer_ptr(table, rank, off_published, tl.int32)
+    published = at(here, off_published, tl.int32)
     if tl.atomic_add(published, 1, sem="acq_rel", scope="gpu") == nprog - 1:
         tl.store(published, 0)   # the next call's publish launch runs after this one
-        tl.store(peer_ptr(table, rank, off_epoch, tl.int32), epoch + 1)
-        tl.atomic_xchg(peer_ptr(table, rank, off_ready, tl.int32), epoch + 1, sem="release",
+        tl.store(at(here, off_epoch, tl.int32), epoch + 1)
+        tl.atomic_xchg(at(here, off_ready, tl.int32), epoch + 1, sem="release",
                        scope="sys")
 
 
 @triton.jit
-def layout_device(table, rank, epoch, off_send_counts, off_num_tokens,
+def layout_device(bases, rank, epoch, off_send_counts, off_num_tokens,
                   R, E_LOC, BM, R_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """This rank's pool layout from every source's published counts (call after the peers'
-    ready flags were acquired). Returns (expert_count [E_PAD], block_start [E_PAD] (exclusive),
-    total m-blocks, src_row [E_PAD, R_PAD], src_tokens [R_PAD])."""
+    ready flags were acquired; ``bases``: int64 [R_PAD], every rank's buffer address, loaded
+    before the waits). Returns (expert_count [E_PAD], block_start [E_PAD] (exclusive), total
+    m-blocks, src_row [E_PAD, R_PAD], src_tokens [R_PAD])."""
     par = epoch & 1
     s = tl.arange(0, R_PAD)
     e = tl.arange(0, E_PAD)
     sm = s < R
     em = e < E_LOC
     E = R * E_LOC
-    cnt_ptrs = peer_ptrs(table, s[:, None],
-                         off_send_counts + ((par * E + rank * E_LOC + e[None, :]) * 4).to(tl.int64),
-                         sm[:, None], tl.int32)
+    cnt_ptrs = (bases[:, None] + off_send_counts
+                + ((par * E + rank * E_LOC + e[None, :]) * 4).to(tl.int64)).to(
+                    tl.pointer_type(tl.int32))
     c_SE = tl.load(cnt_ptrs, mask=sm[:, None] & em[None, :], other=0)          # [R_PAD, E_PAD]
-    src_tokens = tl.load(peer_ptrs(table, s, off_num_tokens + par.to(tl.int64) * 4, sm, tl.int32),
-                         mask=sm, other=0)
+    src_tokens = tl.load((bases + off_num_tokens + par.to(tl.int64) * 4).to(
+        tl.pointer_type(tl.int32)), mask=sm, other=0)
     expert_count = tl.sum(c_SE, axis=0)                                         # [E_PAD]
     m_blocks = (expert_count + BM - 1) // BM
     block_start = tl.cumsum(m_blocks, axis=0) - m_blocks
@@ -191,12 +199,14 @@ def layout_device(table, rank, epoch, off_send_counts, off_num_tokens,
 @triton.jit
 def layout_kernel(
     table, rank0, max_spins, timeout_ns,
+    host_base,         # HOST_BASE: this rank's buffer address (else unused)
     off_epoch, off_ready, off_diag, off_send_counts, off_num_tokens,
     off_expert_count, off_block_start, off_src_row, off_src_tokens, off_block_meta,
     off_wave_mb, off_num_waves,
     R, E_LOC, BM, NB1, WAVE_BLOCKS,
     R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     USE_TIMER: tl.constexpr, WAVES: tl.constexpr = True, PDL: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False,
 ):
     """Wait for every peer's inputs of this call, then store this rank's pool layout and, for
     every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
@@ -207,32 +217,40 @@ def layout_kernel(
     Every step is a vector operation over the experts (a loop of per-expert reductions took
     ~0.5 µs per local expert on H200: 34 µs per call at 64 experts, benchmarks/NOTES.md,
     session 8): block_meta in BLOCK_J m-blocks of every expert at a time, the waves one
-    search per wave."""
+    search per wave.
+
+    HOST_BASE (one local rank): this rank's buffer address is ``host_base`` (``rank_base``),
+    so the epoch loads at once; every rank's address is loaded before the waits, not after
+    each (sm_90 SASS: table, epoch, then per peer a table load and the wait, then the
+    table again before the counts)."""
     pdl_enter(PDL)
     rank = rank0 + tl.program_id(0)
-    epoch = tl.load(peer_ptr(table, rank, off_epoch, tl.int32))
-    diag = peer_ptr(table, rank, off_diag, tl.int32)
+    here = rank_base(table, rank, host_base, HOST_BASE)
+    sv = tl.arange(0, R_PAD)
+    bases = tl.load(table + sv, mask=sv < R, other=0).to(tl.int64)   # every rank's buffer
+    epoch = tl.load(at(here, off_epoch, tl.int32))
+    diag = at(here, off_diag, tl.int32)
     ok = rank >= 0  # a tensor, so the loop may reassign it
     s = 0
     while (s < R) & ok:
-        ok = wait_at_least(peer_ptr(table, s, off_ready, tl.int32), epoch, diag, max_spins,
-                           timeout_ns, 1, rank, s, epoch, s, SCOPE="sys", USE_TIMER=USE_TIMER)
+        ready = at(tl.sum(tl.where(sv == s, bases, 0), axis=0), off_ready, tl.int32)
+        ok = wait_at_least(ready, epoch, diag, max_spins, timeout_ns, 1, rank, s, epoch, s,
+                           SCOPE="sys", USE_TIMER=USE_TIMER)
         s += 1
     if ok:
         expert_count, block_start, total, src_row_ES, src_tokens = layout_device(
-            table, rank, epoch, off_send_counts, off_num_tokens, R, E_LOC, BM, R_PAD, E_PAD)
+            bases, rank, epoch, off_send_counts, off_num_tokens, R, E_LOC, BM, R_PAD, E_PAD)
         e = tl.arange(0, E_PAD)
-        sv = tl.arange(0, R_PAD)
         em = e < E_LOC
-        tl.store(peer_ptr(table, rank, off_expert_count, tl.int32) + e, expert_count, mask=em)
-        tl.store(peer_ptr(table, rank, off_block_start, tl.int32) + e, block_start, mask=em)
-        tl.store(peer_ptr(table, rank, off_block_start, tl.int32) + E_LOC, total)
-        tl.store(peer_ptr(table, rank, off_src_row, tl.int32) + e[:, None] * R + sv[None, :],
+        tl.store(at(here, off_expert_count, tl.int32) + e, expert_count, mask=em)
+        tl.store(at(here, off_block_start, tl.int32) + e, block_start, mask=em)
+        tl.store(at(here, off_block_start, tl.int32) + E_LOC, total)
+        tl.store(at(here, off_src_row, tl.int32) + e[:, None] * R + sv[None, :],
                  src_row_ES, mask=em[:, None] & (sv[None, :] < R))
-        tl.store(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
+        tl.store(at(here, off_src_tokens, tl.int32) + sv, src_tokens, mask=sv < R)
         m_blocks = (expert_count + BM - 1) // BM                                  # [E_PAD]
         # block_meta[block_start[e] + j] = e * 512 + valid rows of m-block j of expert e
-        block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
+        block_meta = at(here, off_block_meta, tl.int32)
         most = tl.max(m_blocks, axis=0)
         for j0 in range(0, most, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
@@ -242,7 +260,7 @@ def layout_kernel(
         if WAVES:
             # wave w: experts [first, last]; last is the first expert whose L1 blocks since
             # `first` reach WAVE_BLOCKS (or the last expert); wave_mb[w + 1] its end m-block
-            wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
+            wave_mb = at(here, off_wave_mb, tl.int32)
             incl = tl.cumsum(m_blocks * NB1, axis=0)                                # [E_PAD]
             tl.store(wave_mb, 0)
             waves = 0
@@ -251,12 +269,13 @@ def layout_kernel(
             while first < E_LOC:
                 closes = em & (e >= first) & (incl - before >= WAVE_BLOCKS)
                 last = tl.min(tl.where(closes, e, E_LOC - 1), axis=0)
-                at = e == last
+                is_last = e == last
                 waves += 1
-                tl.store(wave_mb + waves, tl.sum(tl.where(at, block_start + m_blocks, 0), axis=0))
-                before = tl.sum(tl.where(at, incl, 0), axis=0)
+                tl.store(wave_mb + waves,
+                         tl.sum(tl.where(is_last, block_start + m_blocks, 0), axis=0))
+                before = tl.sum(tl.where(is_last, incl, 0), axis=0)
                 first = last + 1
-            tl.store(peer_ptr(table, rank, off_num_waves, tl.int32), waves)
+            tl.store(at(here, off_num_waves, tl.int32), waves)
 
 
 @triton.jit
@@ -352,13 +371,14 @@ def pull_tokens(table, rank, s, t0, n, par64, T_MAX, H, R, E_LOC, BM, P,
 @triton.jit
 def dispatch_kernel(
     table, rank0,
+    host_base,        # HOST_BASE: this rank's buffer address (else unused)
     off_epoch, off_diag, off_src_row, off_src_tokens, off_arrival,
     off_x, off_topk_idx, off_topk_weights, off_slot,
     off_pool_x, off_pool_src, off_pool_weight,
     T_MAX, H, R, E_LOC, BM, P, PARTS,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
     TT: tl.constexpr = 1, EAGER: tl.constexpr = False, PDL: tl.constexpr = False,
-    SIGNAL: tl.constexpr = True,
+    SIGNAL: tl.constexpr = True, HOST_BASE: tl.constexpr = False,
 ):
     """Token-granular pull. Ticket i over (source rank, tile of TT source tokens, part of the
     row), sources in rank order; ``pull_tokens`` moves a tile's tokens together (TT = 1: one
@@ -369,13 +389,16 @@ def dispatch_kernel(
     for nothing, running after this launch in stream order).
 
     Grid (programs, local ranks); each program walks tickets pid, pid + programs, ...
+    HOST_BASE (one local rank): the epoch, diag and source counts at ``host_base``
+    (``rank_base``), not after a load of the table.
     """
     pdl_enter(PDL)
-    pid, nprog, _, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
+    pid, nprog, _, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag,
+                                                      host_base, HOST_BASE)
     par64 = (epoch & 1).to(tl.int64)
     sv = tl.arange(0, R_PAD)
-    src_tokens = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv, mask=sv < R,
-                         other=0)
+    src_tokens = tl.load(at(rank_base(table, rank, host_base, HOST_BASE), off_src_tokens,
+                            tl.int32) + sv, mask=sv < R, other=0)
     tiles = (src_tokens + TT - 1) // TT
     incl = tl.cumsum(tiles, axis=0)
     excl = incl - tiles

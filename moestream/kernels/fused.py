@@ -360,7 +360,8 @@ def fused_kernel(
             part = j % CP
             HP = (H + CP - 1) // CP
             n_tok = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
-            ok = combine_tokens(table, rank, t0, tl.minimum(CT, n_tok - t0), par64,
+            ok = combine_tokens(rank_base(table, rank, 0, False), rank, t0,
+                                tl.minimum(CT, n_tok - t0), par64,
                                 y_ptr + lr.to(tl.int64) * y_rank_stride, y_stride, diag,
                                 max_spins, timeout_ns, epoch, T_MAX, H, E, off_topk_idx,
                                 off_combine_y, off_combine_flag, K, K_PAD, BHC, CT, UPCAST,
