@@ -1036,7 +1036,11 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         block_k=bk)
     split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
     sums, counts = _split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
-    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), buffer.host_base or 0,
+    # the host's base in decode pieces only: whole tiles (bf16 L1 alone, session 27, one H200,
+    # A/B) were 2-3 % slower with it (qwen3 512 / 2048 rows per expert 158.0 -> 161.7 / 600.0
+    # -> 613.7 µs, dsv3 512 1425 -> 1471), where a program's first loads weigh nothing
+    host_base = buffer.host_base if dm and not tail else None
+    args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), host_base or 0,
             buffer.max_spins, buffer.timeout_ns,
             off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
             off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
@@ -1045,7 +1049,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split,
-              CLAIM=tuning.gemm_claim, HOST_BASE=buffer.host_base is not None, **host_kw,
+              CLAIM=tuning.gemm_claim, HOST_BASE=host_base is not None, **host_kw,
               **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)

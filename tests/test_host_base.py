@@ -2,7 +2,8 @@
 real rank, one virtual rank) takes that rank's buffer address from the host
 (``SymmBuffer.host_base``, kernel parameter ``host_base`` with ``HOST_BASE``) instead of
 loading it from the table ahead of everything else: the GEMMs for their block count and
-first meta, layout, dispatch and combine for their epoch and counts; publish, one launch
+first meta (the L1 in decode pieces only), layout, dispatch and combine for their epoch and
+counts; publish, one launch
 per local rank, always (``SymmBuffer.address``). The L2's last program releases every
 rank's ``l2_ranks_done`` at GPU scope where every rank's buffer is on this GPU
 (``SymmBuffer.one_device``).
@@ -83,7 +84,8 @@ def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
     # own meta, the unsplit one keeps the first
     (1, [1], stages.Tuning(decode_rows=16, l1_split_k=4, l2_split_k=4, l2_block_n=64,
                            wait=False)),
-    # one rank, whole tiles, T not a multiple of block_m, waits on (counts and signals)
+    # one rank, whole tiles, T not a multiple of block_m, waits on (counts and signals); the
+    # L1 takes the table form there
     (1, [23], stages.Tuning()),
     # one rank, claimed tickets in decode pieces (the claim counter's pointer)
     (1, [21], stages.Tuning(decode_rows=16, gemm_claim=True, programs=3)),
@@ -109,8 +111,10 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
             assert kw["HOST_BASE"] is True
             published.append((args[1], args[HOST_BASE_ARG[name]]))
             continue
-        assert kw["HOST_BASE"] == (R == 1), (name, kw["HOST_BASE"])
-        assert args[HOST_BASE_ARG[name]] == (buf.host_base if R == 1 else 0), name
+        # the L1 in decode pieces only (its whole tiles measured slower with it)
+        want = R == 1 and (name != "l1_kernel" or tuning.decode_rows > 0)
+        assert kw["HOST_BASE"] == want, (name, kw["HOST_BASE"])
+        assert args[HOST_BASE_ARG[name]] == (buf.host_base if want else 0), name
         if name == "l2_kernel":   # virtual ranks share this device: GPU-scope release
             assert kw["PEER_SCOPE"] == "gpu"
     assert sorted(published) == [(r, buf.address(r)) for r in range(R)]

@@ -117,7 +117,8 @@ def rank_base(table, rank, host_base, HOST_BASE: tl.constexpr):
     Kernels take only the pointers on that path from it: an address from a kernel parameter
     lives in the SM's few uniform registers, and with every region pointer of the decode L1
     there the compiler moved the TMA descriptors' addresses out of them, into 18 more
-    instructions per K step (sm_90 SASS, session 27)."""
+    instructions per K step (sm_90 SASS, session 27). The whole-tile L1 does not take it at
+    all (``stages.l1``: 2-3 % slower with it, one H200, session 27)."""
     if HOST_BASE:
         base = host_base.to(tl.int64)
     else:

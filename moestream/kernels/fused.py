@@ -297,7 +297,7 @@ def fused_kernel(
                     else:
                         a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, I, E_LOC,
                                                XB, BM, BN1, BK1, USE_TMA, FP8, DM, False)
-                    l1_either_block(mb, nb, meta, rank_base(table, rank, 0, False),
+                    l1_either_block(mb, nb, meta, table, rank,
                                     peer_ptr(table, rank, off_l1_done, tl.int32),
                                     peer_ptr(table, rank, off_pool_x, tl.bfloat16),
                                     peer_ptr(table, rank, off_pool_weight, tl.float32),
@@ -322,7 +322,6 @@ def fused_kernel(
                     l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
                     pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
                     pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
-                    here = rank_base(table, rank, 0, False)
                     # (SPLIT_K first: a constexpr False leaves the branch uncompiled, where
                     # a2 is no pair of decode descriptors)
                     if SPLIT_K > 1 and S2 > 1:   # the rank's slots: tile mb * NB2 + nb
@@ -333,17 +332,17 @@ def fused_kernel(
                                       off_combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
                                       UPCAST, USE_TMA, DONE_SCOPE, EPI2, True)
                     elif L2G == 1:
-                        l2_either_block(mb, nb, NB2, meta, table, here, l2_done, pool_act,
+                        l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
                                         pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
                                         off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
                                         UPCAST, USE_TMA, DONE_SCOPE, True, EPI2, FP8, 0, 1, DM)
                     else:
                         for j in tl.range(0, L2G, flatten=True):
-                            l2_either_block(mb, nb * L2G + j, NB2, meta, table, here,
-                                            l2_done, pool_act, pool_src, w2, w2_s, a2, wd2,
-                                            off_pool_act, off_combine_y, off_combine_flag, H, I,
-                                            AB, T_MAX, R, K, BM, BN2, BK2, UPCAST, USE_TMA,
-                                            DONE_SCOPE, False, EPI2, FP8, 0, 1, DM)
+                            l2_either_block(mb, nb * L2G + j, NB2, meta, table, rank, l2_done,
+                                            pool_act, pool_src, w2, w2_s, a2, wd2, off_pool_act,
+                                            off_combine_y, off_combine_flag, H, I, AB, T_MAX, R,
+                                            K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, False,
+                                            EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
                                           off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
                 if SPLIT_K > 1 and S2 > 1:   # a split part claims when done (see above)

@@ -487,23 +487,22 @@ def expert_weights(w_table, s_table, index, FP8: tl.constexpr, W4: tl.constexpr 
 
 
 @triton.jit
-def l1_fp8_pool_block(mb, nb, meta, here, l1_done, off_pool_x, off_pool_weight,
+def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                       off_pool_act, w13, w13_s, H, I, XB, AB, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, FIX_ROUNDING: tl.constexpr,
                       DM: tl.constexpr = 0, a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False,
                       W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
                       SIGNAL: tl.constexpr = True):
     """One fp8 L1 block over the pool's byte rows (e4m3 values, then fp32 scales: XB / AB
-    bytes per pool_x / pool_act row) of the rank's buffer at ``here`` (``rank_base``), then
-    the release of the m-block's ``l1_done``.
+    bytes per pool_x / pool_act row), then the release of the m-block's ``l1_done``.
     DM > 0: in decode pieces of DM rows (``l1_fp8_decode_block``; USE_TMA only there), or
     with TAIL only a block of at most DM rows (fuller ones: ``l1_fp8_block``).
     W4 > 0: MXFP4 weights (kernels/gemm_fp4.py), the valid rows in pieces of W4 rows."""
-    x_q = at(here, off_pool_x, tl.float8e4nv)
-    x_s = at(here, off_pool_x + H, tl.float32)
-    pool_w = at(here, off_pool_weight, tl.float32)
-    act_q = at(here, off_pool_act, tl.float8e4nv)
-    act_s = at(here, off_pool_act + I, tl.float32)
+    x_q = peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
+    x_s = peer_ptr(table, rank, off_pool_x + H, tl.float32)
+    pool_w = peer_ptr(table, rank, off_pool_weight, tl.float32)
+    act_q = peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
+    act_s = peer_ptr(table, rank, off_pool_act + I, tl.float32)
     if W4:   # MXFP4 weights: the block's valid rows in pieces of W4 rows
         for r0 in range(0, meta & 511, W4):
             l1_fp4w_rows(mb, r0, nb, meta >> 9, meta & 511, x_q, x_s, w13, w13_s, pool_w, act_q,
@@ -519,7 +518,7 @@ def l1_fp8_pool_block(mb, nb, meta, here, l1_done, off_pool_x, off_pool_weight,
 
 
 @triton.jit
-def l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool_act,
+def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
@@ -527,8 +526,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
                       SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0,
                       TAIL: tl.constexpr = False):
-    """One fp8 L2 block over pool_act's byte rows (the rank's buffer at ``here``), into the
-    combine slots (``l2_epilogue``; ``table``: every rank's buffer).
+    """One fp8 L2 block over pool_act's byte rows, into the combine slots (``l2_epilogue``).
     USE_TMA: values through ``fp8_descriptors`` (built once per launch). SPLIT_M / sub: the
     block is row piece ``sub`` of BM / SPLIT_M rows of m-block ``mb`` (``l2_block``).
     DM > 0: decode pieces (``l2_fp8_rows`` with SWAP; SIGNAL_ROWS after the last); with
@@ -536,8 +534,8 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool
     else as usual (nothing when it holds none).
     W4 > 0: MXFP4 weights, the piece's valid rows in pieces of W4 rows (without
     SIGNAL_ROWS when W4 < BM / SPLIT_M)."""
-    act_q = at(here, off_pool_act, tl.float8e4nv)
-    act_s = at(here, off_pool_act + I, tl.float32)
+    act_q = peer_ptr(table, rank, off_pool_act, tl.float8e4nv)
+    act_s = peer_ptr(table, rank, off_pool_act + I, tl.float32)
     if W4:
         BMT: tl.constexpr = BM // SPLIT_M   # l2_epilogue asserts pieces < BM do not signal rows
         vm = meta & 511
@@ -592,7 +590,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool
 
 
 @triton.jit
-def l1_either_block(mb, nb, meta, here, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
+def l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x, pool_w, pool_act, w13, w13_s,
                     a_desc, w_desc, off_pool_x, off_pool_weight, off_pool_act, H, I, XB, AB,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
@@ -600,10 +598,9 @@ def l1_either_block(mb, nb, meta, here, l1_done, pool_x, pool_w, pool_act, w13, 
                     SIGNAL: tl.constexpr = True, ONE_DOT: tl.constexpr = False):
     """One L1 block of the staged kernel in either format (``l1_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l1_block``); DM > 0: in decode pieces of DM
-    rows (TAIL: only a block of at most DM rows). ONE_DOT: bf16 whole tiles (``l1_rows``).
-    ``here``: the rank's buffer address (``rank_base``)."""
+    rows (TAIL: only a block of at most DM rows). ONE_DOT: bf16 whole tiles (``l1_rows``)."""
     if FP8:
-        l1_fp8_pool_block(mb, nb, meta, here, l1_done, off_pool_x, off_pool_weight,
+        l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
                           off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, UPCAST, DM,
                           a_desc, w_desc, USE_TMA, W4, TAIL, SIGNAL)
     elif DM > 0:
@@ -660,9 +657,10 @@ def l1_kernel(
     from a counter (``next_tickets``) instead of taking every nprog-th: a program held up by
     a costly block (a hot expert's block of several decode pieces) then takes fewer of the
     rest. A launch of at most two tickets per program claims none (``claiming``).
-    HOST_BASE (one local rank): ``host_base`` is this rank's buffer address (``rank_base``),
-    so the block count and the first meta load at once, not after a load of the table (the
-    other regions' pointers still come from the table: see ``rank_base``)."""
+    HOST_BASE (one local rank; ``stages.l1`` sets it in decode pieces only): ``host_base``
+    is this rank's buffer address (``rank_base``), so the block count and the first meta
+    load at once, not after a load of the table (the other regions' pointers still come
+    from the table: see ``rank_base``)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
                      "split-K: bf16 decode pieces")
@@ -732,7 +730,7 @@ def l1_kernel(
                                timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l1_either_block(mb, nb, meta, here, l1_done, pool_x,
+            l1_either_block(mb, nb, meta, table, rank, l1_done, pool_x,
                             pool_w, pool_act, w13, w13_s, a_desc, w_desc, off_pool_x,
                             off_pool_weight, off_pool_act, H, I, XB, AB, BM, BN, BK, UPCAST,
                             USE_TMA, FP8, DM, W4, TAIL, SIGNAL, ONE_DOT)
@@ -987,7 +985,7 @@ def signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_
 
 
 @triton.jit
-def l2_either_block(mb, nb, NB, meta, table, here, l2_done, pool_act, pool_src, w2, w2_s,
+def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2, w2_s,
                     a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
                     T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -996,10 +994,9 @@ def l2_either_block(mb, nb, NB, meta, table, here, l2_done, pool_act, pool_src, 
                     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
     rows, with MXFP4 weights when W4 > 0, or ``l2_block``), row piece ``sub`` of SPLIT_M, or
-    in decode pieces of DM rows (TAIL: only a row piece of at most DM valid rows).
-    ``here``: the rank's buffer address (``rank_base``)."""
+    in decode pieces of DM rows (TAIL: only a row piece of at most DM valid rows)."""
     if FP8:
-        l2_fp8_pool_block(mb, nb, NB, meta, table, here, l2_done, pool_src, off_pool_act,
+        l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
                           BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
                           USE_TMA, sub, SPLIT_M, DM, W4, TAIL)
@@ -1131,7 +1128,7 @@ def l2_kernel(
         for t in tl.range(pid, total, nprog, flatten=True):
             pm, nb = grouped_tile(t, num_m, NB, GROUP_M)
             mb = pm // SPLIT_M
-            l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, here, l2_done,
+            l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, rank, l2_done,
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
                             UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
@@ -1150,7 +1147,7 @@ def l2_kernel(
                                rank, mb, epoch, -1, SCOPE="gpu",
                                USE_TIMER=USE_TIMER)
         if ok:
-            l2_either_block(mb, nb, NB, meta, table, here, l2_done, pool_act, pool_src, w2,
+            l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
                             H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
                             not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4,
