@@ -5,7 +5,7 @@
 # AB_BASE=<commit> AB_ARGS="<moestream bench arguments>": the ab step runs them base, new, new, base
 #   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab);
 #   the floor step (benchmarks/launch_floor.py, FLOOR_SHAPE / FLOOR_VARIANTS / FLOOR_BLOCKS) then
-#   also runs the base's kernels, base first
+#   also runs the base's kernels, base first; FLOOR_FORMS: its read-tiles forms; FLOOR_ARGS: more (--mma-tiles)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
@@ -84,7 +84,7 @@ if has floor; then
     root=$PWD; [ "$side" = base ] && root=$PWD/benchmarks/.ab/$AB_BASE
     PYTHONPATH=$root timeout ${FLOOR_TIMEOUT:-120} python3 benchmarks/launch_floor.py \
       --shape ${FLOOR_SHAPE:-qwen3} --variants ${FLOOR_VARIANTS:-dec16} ${FLOOR_BLOCKS:+--blocks $FLOOR_BLOCKS} \
-      --out "$OUT/floor_$side.jsonl" 2>&1 | tee -a "$OUT/floor.log" | tail -16
+      ${FLOOR_FORMS:+--tile-forms $FLOOR_FORMS} ${FLOOR_ARGS:-} --out "$OUT/floor_$side.jsonl" --plot "$OUT/floor_$side.png" 2>&1 | tee -a "$OUT/floor.log" | tail -16
   done
 fi
 if has ncu; then

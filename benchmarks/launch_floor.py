@@ -61,17 +61,75 @@ def _read_tiles_kernel():
 
     @triton.jit
     def read_tiles(w_desc, out_ptr, tiles, KS, ROWS: tl.constexpr, BK: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, EXPERT_ROWS: tl.constexpr, K_BLOCKED: tl.constexpr):
         # the decode GEMM's access pattern without its MMA: tile t is weight rows
         # t*ROWS .. t*ROWS+ROWS-1 of [experts * rows, K], read in KS steps of [ROWS, BK]
-        # boxes (TMA, as the GEMM loads them), tiles dealt round-robin
+        # boxes (TMA, as the GEMM loads them), tiles dealt round-robin. K_BLOCKED: the same
+        # bytes stored K-block-major ([experts, KS, rows, BK], seen as [experts * KS * rows,
+        # BK]), so that every box is ROWS * BK contiguous elements
         pid = tl.program_id(0)
         acc = tl.zeros([ROWS, BK], tl.float32)
         for t in range(pid, tiles, tl.num_programs(0)):
+            expert = (t * ROWS) // EXPERT_ROWS
+            row = (t * ROWS) % EXPERT_ROWS
             for i in tl.range(0, KS, num_stages=STAGES):
-                acc += w_desc.load([t * ROWS, i * BK]).to(tl.float32)
+                if K_BLOCKED:
+                    acc += w_desc.load([(expert * KS + i) * EXPERT_ROWS + row, 0]).to(tl.float32)
+                else:
+                    acc += w_desc.load([t * ROWS, i * BK]).to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
     return read_tiles
+
+
+def _read_tiles_ptr_kernel():
+    from moestream.kernels._common import tl, triton
+
+    @triton.jit
+    def read_tiles_ptr(w_ptr, out_ptr, tiles, K, KS, ROWS: tl.constexpr, BK: tl.constexpr,
+                       STAGES: tl.constexpr):
+        # read_tiles' walk with pointer loads (what the L2 does with use_tma off)
+        pid = tl.program_id(0)
+        acc = tl.zeros([ROWS, BK], tl.float32)
+        for t in range(pid, tiles, tl.num_programs(0)):
+            rows = t * ROWS + tl.arange(0, ROWS)
+            ptrs = w_ptr + rows[:, None].to(tl.int64) * K + tl.arange(0, BK)[None, :]
+            for i in tl.range(0, KS, num_stages=STAGES):
+                acc += tl.load(ptrs + i * BK).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+    return read_tiles_ptr
+
+
+def _mma_tiles_kernel():
+    from moestream.kernels._common import tl, triton
+
+    @triton.jit
+    def mma_tiles(w_desc, x_desc, out_ptr, tiles, KS, ROWS: tl.constexpr, BK: tl.constexpr,
+                  STAGES: tl.constexpr, EXPERT_ROWS: tl.constexpr, XROWS: tl.constexpr,
+                  STORE: tl.constexpr):
+        # read-tiles plus the decode L2's MMA: tile t of expert e = t*ROWS // EXPERT_ROWS
+        # multiplies its [ROWS, BK] weight boxes by the expert's [XROWS, BK] row boxes (both by
+        # TMA, weights as the MMA's row operand, as the GEMM does) into [ROWS, XROWS] fp32.
+        # STORE: each tile's [XROWS, ROWS] result is stored in bf16 at out[e*XROWS.., column
+        # block] (the decode L2's epilogue without its scattered slots), else summed per program
+        pid = tl.program_id(0)
+        total = tl.zeros([ROWS, XROWS], tl.float32)
+        for t in range(pid, tiles, tl.num_programs(0)):
+            expert = (t * ROWS) // EXPERT_ROWS
+            acc = tl.zeros([ROWS, XROWS], tl.float32)
+            for i in tl.range(0, KS, num_stages=STAGES):
+                w = w_desc.load([t * ROWS, i * BK])
+                x = x_desc.load([expert * XROWS, i * BK])
+                acc = tl.dot(w, x.T, acc)
+            if STORE:
+                rows = expert * XROWS + tl.arange(0, XROWS)
+                cols = (t * ROWS) % EXPERT_ROWS + tl.arange(0, ROWS)
+                tl.store(out_ptr + rows[:, None] * EXPERT_ROWS + cols[None, :],
+                         tl.trans(acc).to(tl.bfloat16))
+            else:
+                total += acc
+        if not STORE:
+            tl.store(out_ptr + pid, tl.sum(tl.sum(total, axis=1), axis=0))
+    return mma_tiles
 
 
 READ_BLOCK = 4096      # elements per program per step (8 KB of bf16)
@@ -83,17 +141,47 @@ def read_bytes(read, x: torch.Tensor, n: int, out: torch.Tensor) -> None:
     read[(out.numel(),)](x, out, n, BLOCK=READ_BLOCK, STAGES=4)
 
 
-TILE_ROWS, TILE_K, TILE_STAGES = 128, 64, 5   # the bf16 decode L2's weight box and depth
+TILE_ROWS, TILE_K = 128, 64   # the bf16 decode L2's weight box
+# read-tiles forms: programs per SM, pipeline depth, K-block-major bytes, pointer loads.
+# "read-tiles" is the decode L2 as it runs (two programs per SM, 5 stages, [E, H, I] weights
+# by TMA); "-4sm": four programs per SM in 3 stages (every tile of 32 qwen3 experts in flight
+# at once, one per program); "-kb": each [128, 64] box contiguous (the weights stored [E, I /
+# 64, H, 64]); "-ptr": the same boxes by pointer loads (cp.async) instead of TMA
+TILE_FORMS = {"read-tiles": (2, 5, False, False), "read-tiles-4sm": (4, 3, False, False),
+              "read-tiles-kb": (2, 5, True, False), "read-tiles-kb-4sm": (4, 3, True, False),
+              "read-tiles-ptr": (2, 5, False, True)}
 
 
-def read_tiles_bytes(read_tiles, w2d: torch.Tensor, k: int, per_expert_rows: int,
-                     out: torch.Tensor) -> None:
-    """One launch of ``read_tiles`` over the first k experts' rows of ``w2d`` [rows, K]."""
+def k_blocked(w2: torch.Tensor, bk: int = TILE_K) -> torch.Tensor:
+    """[E, H, I] weights stored K-block-major, [E * I / bk * H, bk]: rows (e, k step, h)."""
+    E, H, I = w2.shape
+    return w2.view(E, H, I // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+
+
+def read_tiles_bytes(read_tiles, w2d: torch.Tensor, k: int, expert_rows: int, K: int,
+                     out: torch.Tensor, *, stages: int, k_blocked: bool) -> None:
+    """One launch of ``read_tiles`` over the first k experts' tiles of ``w2d`` ([rows, K], or
+    ``k_blocked``'s form of it)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     desc = TensorDescriptor.from_tensor(w2d, [TILE_ROWS, TILE_K])
-    read_tiles[(out.numel(),)](desc, out, k * per_expert_rows // TILE_ROWS,
-                               w2d.shape[1] // TILE_K, ROWS=TILE_ROWS, BK=TILE_K,
-                               STAGES=TILE_STAGES, num_warps=4)
+    read_tiles[(out.numel(),)](desc, out, k * expert_rows // TILE_ROWS, K // TILE_K,
+                               ROWS=TILE_ROWS, BK=TILE_K, STAGES=stages,
+                               EXPERT_ROWS=expert_rows, K_BLOCKED=k_blocked, num_warps=4)
+
+
+MMA_ROWS = 16   # the decode L2's piece: 16 rows per expert
+
+
+def mma_tiles_bytes(mma_tiles, w2d: torch.Tensor, x2d: torch.Tensor, k: int, expert_rows: int,
+                    out: torch.Tensor, programs: int, *, store: bool) -> None:
+    """One launch of ``mma_tiles`` over the first k experts: w2d [E * H, I], x2d [E * 16, I];
+    out is [E * 16, H] bf16 with ``store``, else ``programs`` fp32 partial sums."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    wd = TensorDescriptor.from_tensor(w2d, [TILE_ROWS, TILE_K])
+    xd = TensorDescriptor.from_tensor(x2d, [MMA_ROWS, TILE_K])
+    mma_tiles[(programs,)](wd, xd, out, k * expert_rows // TILE_ROWS, w2d.shape[1] // TILE_K,
+                           ROWS=TILE_ROWS, BK=TILE_K, STAGES=5, EXPERT_ROWS=expert_rows,
+                           XROWS=MMA_ROWS, STORE=store, num_warps=4)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -120,6 +208,10 @@ def main(argv=None) -> int:
                    help=f"GEMM bench variants: {', '.join(sorted(VARIANTS))}")
     p.add_argument("--blocks", default=None,
                    help="m-block counts to time (default 0, 1, 2, 4, ... and all)")
+    p.add_argument("--tile-forms", default="read-tiles",
+                   help=f"read-tiles forms to time: {', '.join(TILE_FORMS)} (empty: none)")
+    p.add_argument("--mma-tiles", action="store_true",
+                   help="also time the read-tiles walk with the decode L2's MMA, summed and stored")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON lines, appended")
@@ -130,6 +222,9 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    forms = [f for f in a.tile_forms.split(",") if f]
+    if any(f not in TILE_FORMS for f in forms):
+        p.error(f"unknown --tile-forms {forms}; known: {list(TILE_FORMS)}")
     if not 1 <= a.rows <= 128:
         p.error(f"--rows must be 1..128 (one m-block per expert), got {a.rows}")
     if a.experts < 1:
@@ -163,19 +258,64 @@ def main(argv=None) -> int:
                              weight_bytes=k * per_expert * 2, programs=partials.numel(), **t))
         got, want = float(partials.sum()), float(flat[:blocks[-1] * per_expert].float().sum())
         assert abs(got - want) <= 1e-3 * max(1.0, float(flat.float().abs().sum())), (got, want)
-    # the L2's bytes in its own tile order (read-tiles: as the decode L2 walks them, two
-    # programs per SM)
+    # the L2's bytes in its own tile order (read-tiles: as the decode L2 walks them), and the
+    # other forms of TILE_FORMS asked for
     read_tiles = _read_tiles_kernel()
-    tile_partials = torch.zeros(sms * 2, dtype=torch.float32, device=dev)
+    read_tiles_ptr = _read_tiles_ptr_kernel()
     w2d = w2.view(E * H, I)
+    w2kb = k_blocked(w2) if any(TILE_FORMS[f][2] for f in forms) else None
     if H % TILE_ROWS == 0 and I % TILE_K == 0:
-        for k in blocks:
-            t = time_cuda(lambda: read_tiles_bytes(read_tiles, w2d, k, H, tile_partials),
-                          **timing)
-            rows.append(dict(variant="read-tiles", kernel="l2", blocks=k,
-                             weight_bytes=k * H * I * 2, programs=tile_partials.numel(), **t))
-        got, want = float(tile_partials.sum()), float(w2d[:blocks[-1] * H].float().sum())
-        assert abs(got - want) <= 1e-3 * max(1.0, float(w2d.float().abs().sum())), (got, want)
+        for form in forms:
+            per_sm, stages_, kb, ptr = TILE_FORMS[form]
+            tile_partials = torch.zeros(sms * per_sm, dtype=torch.float32, device=dev)
+            src = w2kb if kb else w2d
+
+            def launch(k):
+                if ptr:
+                    read_tiles_ptr[(tile_partials.numel(),)](
+                        w2d, tile_partials, k * H // TILE_ROWS, I, I // TILE_K, ROWS=TILE_ROWS,
+                        BK=TILE_K, STAGES=stages_, num_warps=4)
+                else:
+                    read_tiles_bytes(read_tiles, src, k, H, I, tile_partials, stages=stages_,
+                                     k_blocked=kb)
+            for k in blocks:
+                t = time_cuda(lambda: launch(k), **timing)
+                rows.append(dict(variant=form, kernel="l2", blocks=k,
+                                 weight_bytes=k * H * I * 2, programs=tile_partials.numel(), **t))
+            got = float(tile_partials.sum())
+            want = float(w2d[:blocks[-1] * H].float().sum())
+            assert abs(got - want) <= 1e-3 * max(1.0, float(w2d.float().abs().sum())), \
+                (form, got, want)
+    if a.mma_tiles and H % TILE_ROWS == 0 and I % TILE_K == 0:
+        # the read-tiles walk with the decode L2's MMA (mma-tiles: summed; mma-tiles-store: each
+        # tile stored as the L2's epilogue would, without the slots), two programs per SM
+        mma_tiles = _mma_tiles_kernel()
+        x2d = (torch.randn(E * MMA_ROWS, I, generator=gpu_gen, device=dev)).bfloat16()
+        y = torch.empty(E * MMA_ROWS, H, dtype=torch.bfloat16, device=dev)
+        mma_partials = torch.zeros(sms * 2, dtype=torch.float32, device=dev)
+        for form, store in (("mma-tiles", False), ("mma-tiles-store", True)):
+            out = y if store else mma_partials
+            for k in blocks:
+                t = time_cuda(lambda: mma_tiles_bytes(mma_tiles, w2d, x2d, k, H, out, sms * 2,
+                                                      store=store), **timing)
+                rows.append(dict(variant=form, kernel="l2", blocks=k,
+                                 weight_bytes=k * H * I * 2, programs=sms * 2, **t))
+            if dev.type != "cuda":
+                # Triton 3.6's interpreter multiplies bf16 tiles loaded by descriptor wrongly in
+                # tl.dot (the loaded values store back exactly); the product kernels load by
+                # pointer there, so only a GPU run checks these values
+                continue
+            kk = blocks[-1]
+            want = torch.einsum("erk,ehk->erh", x2d[:kk * MMA_ROWS].view(kk, MMA_ROWS, I).float(),
+                                w2[:kk].float())
+            if store:
+                got = y[:kk * MMA_ROWS].view(kk, MMA_ROWS, H).float()
+                err = float((got - want).norm() / want.norm()) if kk else 0.0
+                assert err <= 1e-2, (form, err)   # bf16 output
+            else:
+                got, ref = float(mma_partials.sum()), float(want.sum())
+                assert abs(got - ref) <= 1e-3 * max(1.0, float(want.abs().sum())), (form, got, ref)
+        forms = forms + ["mma-tiles", "mma-tiles-store"]
     for name in names:
         v = VARIANTS[name]
         if v.dtype != "bf16":
@@ -205,7 +345,7 @@ def main(argv=None) -> int:
         r.update(shape=a.shape if not a.dims else f"{H}x{I}", experts=E, rows_per_expert=M,
                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     summary = []
-    for name in ["read", "read-tiles"] + names:
+    for name in ["read"] + forms + names:
         for kernel in ("l1", "l2"):
             pts = [(r["weight_bytes"], r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel and r["blocks"] > 0]
@@ -224,7 +364,7 @@ def main(argv=None) -> int:
             for r in rows + [dict(fit=True, **s) for s in summary]:
                 f.write(json.dumps(r) + "\n")
     if a.plot:
-        _plot(rows, names, a.plot)
+        _plot(rows, ["read"] + forms + names, a.plot)
     return 0
 
 
@@ -234,7 +374,7 @@ def _plot(rows, names, path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kernel in zip(axes, ("l1", "l2")):
-        for name in ["read", "read-tiles"] + names:
+        for name in names:
             pts = [(r["weight_bytes"] / 1e6, r["median_us"]) for r in rows
                    if r["variant"] == name and r["kernel"] == kernel]
             ax.plot(*zip(*pts), marker="o", label=name, ls="--" if name == "read" else "-")

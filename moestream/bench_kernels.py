@@ -107,6 +107,12 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # three programs per SM (3 stages: ~61 KB of shared memory each)
     GemmVariant("dec16-p3", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
                                          gemm_per_sm=3)),
+    # session 28: four programs per SM in 3 stages: at qwen3 dims with 32 experts every decode
+    # L1 tile (384) and L2 tile (512) has a program of its own, all in flight at once
+    GemmVariant("dec16-p4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
+                                         gemm_per_sm=4)),
+    # session 28: decode pieces by pointer loads (cp.async) instead of TMA descriptors
+    GemmVariant("dec16-ptr", 128, replace(_BF16.decode(16, _DIMS_64), use_tma=False)),
     GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,
                                              l2_stages=2)),
     GemmVariant("dec16-l2n64", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,

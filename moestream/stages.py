@@ -230,6 +230,8 @@ class Tuning:
         ``l2_ranks_done``; the combine waits for R there) or "rows" (every tile counts its
         m-block; the m-block's last tile releases each row's combine flag, as the fused
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
+        With "rank", every rank on this GPU and ``wait`` off, neither is needed: the combine
+        follows the L2 in stream order (``stream_ordered``).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_parts: column parts of the hidden dimension per combine_tile tokens in the fused
         launch, each its own task (``fused_default``: enough tasks for the SMs at small T).
@@ -1095,12 +1097,25 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               CLAIM=tuning.gemm_claim and not flat,
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
               DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, HOST_BASE=buffer.host_base is not None,
-              PEER_SCOPE="gpu" if buffer.one_device else "sys", **host_kw,
+              PEER_SCOPE="gpu" if buffer.one_device else "sys",
+              STREAM=stream_ordered(buffer, tuning), **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
             buffer.local_ranks)
     _gemm.l2_kernel[grid](*args, **kw)
+
+
+def stream_ordered(buffer: SymmBuffer, tuning: Tuning) -> bool:
+    """Whether the staged combine may read the L2's rows without any signal: every rank's
+    buffer is on this GPU (``SymmBuffer.one_device``: virtual ranks, or a group of one), so
+    one process launches every rank's L2 and then every rank's combine on one stream, and
+    the tuning relies on stream order (``wait`` off, the GPU defaults) with the rank signal
+    ("rank"). The L2 then counts and releases nothing and the combine waits for nothing
+    (one acq_rel count per program and the last program's release at the end of the L2,
+    one flag wait at the start of the combine; benchmarks/NOTES.md, session 28). Across
+    GPUs the signal stays: another GPU's combine is not ordered by this stream."""
+    return buffer.one_device and not tuning.wait and tuning.l2_signal == "rank"
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
@@ -1120,7 +1135,8 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         K=cfg.top_k, K_PAD=c.K_PAD,
         BH=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        HOST_BASE=buffer.host_base is not None, **tuning.pdl_args(buffer),
+        HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning),
+        **tuning.pdl_args(buffer),
         **_launch_kw(tuning.combine_warps or tuning.copy_warps))
 
 

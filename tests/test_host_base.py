@@ -16,6 +16,7 @@ reference in both forms.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +119,40 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
         if name == "l2_kernel":   # virtual ranks share this device: GPU-scope release
             assert kw["PEER_SCOPE"] == "gpu"
     assert sorted(published) == [(r, buf.address(r)) for r in range(R)]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R,Ts,tuning,stream", [
+    # one rank, decode pieces, waits off (the GPU defaults): the combine follows the L2 in
+    # stream order, so the L2 counts and releases nothing and the combine waits for nothing
+    (1, [3], stages.Tuning(decode_rows=16, l2_block_n=64, wait=False), True),
+    # four virtual ranks, whole tiles, waits off, a rank with zero tokens: still one device
+    # and one stream (every rank's L2 is one launch, every rank's combine the next)
+    (4, [7, 0, 12, 1], stages.Tuning(wait=False), True),
+    # waits on (the interpreter's default): the rank signal and the combine's wait stay
+    (2, [5, 9], stages.Tuning(decode_rows=16, l2_block_n=64), False),
+    # per-row flags ("rows"): the L2 releases each row's flag, the combine waits for them
+    (1, [9], stages.Tuning(l2_signal="rows", wait=False), False),
+])
+def test_stream_ordered_combine_skips_the_l2_signal(device, gen, launches, R, Ts, tuning,
+                                                    stream):
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16,
+                     device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    assert stages.stream_ordered(buf, tuning) is stream
+    kinds = {name: kw for name, _, kw in launches if name in ("l2_kernel", "combine_kernel")}
+    assert kinds["l2_kernel"]["STREAM"] is stream and kinds["combine_kernel"]["STREAM"] is stream
+    # what the L2's programs left in this call's counters (publish zeroes them every call):
+    # with the rank signal every program counted itself and every rank was released once
+    # by each rank's last program; stream-ordered, nothing; per-row flags use neither
+    rank_signal = tuning.l2_signal == "rank" and not stream
+    for r in range(R):
+        assert int(buf.view("l2_ranks_done", r)[0]) == (R if rank_signal else 0), r
+        assert (int(buf.view("l2_programs", r)[0]) > 0) is rank_signal, r
+    # across GPUs another GPU's combine is not ordered by this stream: the signal stays
+    assert not stages.stream_ordered(SimpleNamespace(one_device=False), replace(tuning, wait=False))

@@ -73,10 +73,12 @@ def combine_kernel(
     off_l2_ranks_done, T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False, PDL: tl.constexpr = False,
-    HOST_BASE: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
     """WAIT_RANKS: wait once for every rank's L2 (``l2_ranks_done`` reaching R, released by
     the L2 kernel with RANK_SIGNAL) instead of per pick flags.
+    STREAM: no wait at all: every rank's L2 ran before this launch in stream order on this
+    GPU (``stages.stream_ordered``; the L2 then signals nothing).
     HOST_BASE (one local rank): the rank's buffer address is ``host_base`` (``rank_base``),
     not a load of the table ahead of the epoch, and again after the wait (sm_90 SASS:
     table, epoch, token count, wait, table, picks, slots in a row); both parities' token
@@ -91,7 +93,7 @@ def combine_kernel(
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
     t = pid
     ok = pid >= 0
-    if WAIT_RANKS:
+    if WAIT_RANKS and not STREAM:
         if T > pid:
             ok = wait_at_least(at(here, off_l2_ranks_done, tl.int32), R, diag,
                                max_spins, timeout_ns, 5, rank, 0, epoch, -1, SCOPE="sys",
@@ -99,5 +101,6 @@ def combine_kernel(
     while (t < T) & ok:
         ok = combine_tokens(here, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
                             epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
-                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER, not WAIT_RANKS)
+                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER,
+                            not WAIT_RANKS and not STREAM)
         t += nprog

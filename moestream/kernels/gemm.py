@@ -1036,6 +1036,7 @@ def l2_kernel(
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
     HOST_BASE: tl.constexpr = False, PEER_SCOPE: tl.constexpr = "sys",
+    STREAM: tl.constexpr = False,
 ):
     """FP8, W4, HOST_DESC, CLAIM (not with FLAT), HOST_BASE: as ``l1_kernel``; the output
     tile is rounded to bf16 for the combine slots.
@@ -1048,6 +1049,8 @@ def l2_kernel(
     on every rank (at PEER_SCOPE: "sys", or "gpu" where every rank's buffer is on this GPU,
     ``SymmBuffer.one_device``; their addresses loaded at the start, not after the count);
     the staged combine waits for R there.
+    STREAM (with RANK_SIGNAL): every rank's combine runs after this launch in stream order on
+    this GPU (``stages.stream_ordered``), so nothing is counted or released at all.
     DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1);
     with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual.
     SPLIT_K > 1 (bf16 decode pieces, no tail pieces): as ``l1_kernel``'s, S >= 4 programs
@@ -1074,7 +1077,7 @@ def l2_kernel(
     pool_act = at(here, off_pool_act, tl.bfloat16)
     pool_src = at(here, off_pool_src, tl.int32)
     peers = tl.arange(0, R_PAD)
-    if RANK_SIGNAL:   # every rank's l2_ranks_done, for the last program's release
+    if RANK_SIGNAL and not STREAM:   # every rank's l2_ranks_done, for the last release
         ranks_done = peer_ptrs(table, peers, off_l2_ranks_done, peers < R, tl.int32)
     # the block count and the first block's meta before the descriptors (as in l1_kernel)
     NB = H // BN
@@ -1157,7 +1160,7 @@ def l2_kernel(
         meta = meta_next
         ticket, nxt = advance(ticket, nxt, after, nprog, CLAIM)
     finish_claims(claims, nprog, on, CLAIM)
-    if RANK_SIGNAL:
+    if RANK_SIGNAL and not STREAM:
         if ok:   # a program that gave up does not count: the peers' combine then stalls too
             tl.debug_barrier()  # this program's rows are stored before it counts itself
             # gpu scope between the programs of this GPU, then one cumulative system-scope
