@@ -231,7 +231,7 @@ class Tuning:
         m-block; the m-block's last tile releases each row's combine flag, as the fused
         launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
         With "rank", every rank on this GPU and ``wait`` off, neither is needed: the combine
-        follows the L2 in stream order (``stream_ordered``).
+        follows the L2 in stream order (``l2_stream``).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_parts: column parts of the hidden dimension per combine_tile tokens in the fused
         launch, each its own task (``fused_default``: enough tasks for the SMs at small T).
@@ -905,7 +905,8 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
         R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_J=8, USE_TIMER=not INTERPRET, WAVES=waves,
-        HOST_BASE=buffer.host_base is not None, **tuning.pdl_args(buffer))
+        HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning),
+        **tuning.pdl_args(buffer))
 
 
 def _row_chunk(words: int, hidden_chunk: int) -> int:
@@ -1098,7 +1099,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
               DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, HOST_BASE=buffer.host_base is not None,
               PEER_SCOPE="gpu" if buffer.one_device else "sys",
-              STREAM=stream_ordered(buffer, tuning), **host_kw,
+              STREAM=l2_stream(buffer, tuning), **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
@@ -1107,15 +1108,23 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
 
 
 def stream_ordered(buffer: SymmBuffer, tuning: Tuning) -> bool:
-    """Whether the staged combine may read the L2's rows without any signal: every rank's
-    buffer is on this GPU (``SymmBuffer.one_device``: virtual ranks, or a group of one), so
-    one process launches every rank's L2 and then every rank's combine on one stream, and
-    the tuning relies on stream order (``wait`` off, the GPU defaults) with the rank signal
-    ("rank"). The L2 then counts and releases nothing and the combine waits for nothing
-    (one acq_rel count per program and the last program's release at the end of the L2,
-    one flag wait at the start of the combine; benchmarks/NOTES.md, session 28). Across
-    GPUs the signal stays: another GPU's combine is not ordered by this stream."""
-    return buffer.one_device and not tuning.wait and tuning.l2_signal == "rank"
+    """Whether a staged launch may take what earlier launches of the call wrote without a
+    signal: every rank's buffer is on this GPU (``SymmBuffer.one_device``: virtual ranks, or a
+    group of one), so one process launches each stage for every rank on one stream before
+    the next stage, and the tuning relies on stream order (``wait`` off, the GPU defaults).
+    Then the layout waits for no peer's ready flag and, with the rank signal ("rank"), the
+    L2 counts and releases nothing and the combine waits for nothing (``l2_stream``; one
+    acquire per peer at the start of the layout, one acq_rel count per program and the last
+    program's release at the end of the L2, one flag wait at the start of the combine;
+    benchmarks/NOTES.md, session 28). Across GPUs the signals stay: another GPU's launches
+    are not ordered by this stream."""
+    return buffer.one_device and not tuning.wait
+
+
+def l2_stream(buffer: SymmBuffer, tuning: Tuning) -> bool:
+    """The L2 signals nothing and the combine waits for nothing (``stream_ordered`` with the
+    rank signal; per-row flags keep their flags)."""
+    return stream_ordered(buffer, tuning) and tuning.l2_signal == "rank"
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
@@ -1135,7 +1144,7 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         K=cfg.top_k, K_PAD=c.K_PAD,
         BH=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
         FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
-        HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning),
+        HOST_BASE=buffer.host_base is not None, STREAM=l2_stream(buffer, tuning),
         **tuning.pdl_args(buffer),
         **_launch_kw(tuning.combine_warps or tuning.copy_warps))
 

@@ -13,6 +13,11 @@ suites (a wrong base reads another region's words as the block count); here a sp
 kernels asserts which form each launch took, so that a case which silently fell back to
 the table would not pass as a test of the host form, and the layer still matches the
 reference in both forms.
+
+Session 28: where every rank is on this GPU and waits are off (``stages.stream_ordered``),
+the layout waits for no ready flag and the L2 and the combine skip the rank signal; the
+same spy checks which launches took that form, and the L2's counters show that nothing was
+counted or released.
 """
 from __future__ import annotations
 
@@ -134,7 +139,7 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
     # per-row flags ("rows"): the L2 releases each row's flag, the combine waits for them
     (1, [9], stages.Tuning(l2_signal="rows", wait=False), False),
 ])
-def test_stream_ordered_combine_skips_the_l2_signal(device, gen, launches, R, Ts, tuning,
+def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts, tuning,
                                                     stream):
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
@@ -144,8 +149,13 @@ def test_stream_ordered_combine_skips_the_l2_signal(device, gen, launches, R, Ts
                      device=device)
     ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
-    assert stages.stream_ordered(buf, tuning) is stream
-    kinds = {name: kw for name, _, kw in launches if name in ("l2_kernel", "combine_kernel")}
+    # every case has its ranks on one device: the layout skips its waits whenever waits are
+    # off, the L2 and the combine their signal with the rank signal too
+    assert stages.stream_ordered(buf, tuning) is (not tuning.wait)
+    assert stages.l2_stream(buf, tuning) is stream
+    kinds = {name: kw for name, _, kw in launches
+             if name in ("layout_kernel", "l2_kernel", "combine_kernel")}
+    assert kinds["layout_kernel"]["STREAM"] is (not tuning.wait)
     assert kinds["l2_kernel"]["STREAM"] is stream and kinds["combine_kernel"]["STREAM"] is stream
     # what the L2's programs left in this call's counters (publish zeroes them every call):
     # with the rank signal every program counted itself and every rank was released once
@@ -155,4 +165,6 @@ def test_stream_ordered_combine_skips_the_l2_signal(device, gen, launches, R, Ts
         assert int(buf.view("l2_ranks_done", r)[0]) == (R if rank_signal else 0), r
         assert (int(buf.view("l2_programs", r)[0]) > 0) is rank_signal, r
     # across GPUs another GPU's combine is not ordered by this stream: the signal stays
-    assert not stages.stream_ordered(SimpleNamespace(one_device=False), replace(tuning, wait=False))
+    other_gpus = SimpleNamespace(one_device=False)
+    assert not stages.stream_ordered(other_gpus, replace(tuning, wait=False))
+    assert not stages.l2_stream(other_gpus, replace(tuning, wait=False))

@@ -206,9 +206,10 @@ def layout_kernel(
     R, E_LOC, BM, NB1, WAVE_BLOCKS,
     R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     USE_TIMER: tl.constexpr, WAVES: tl.constexpr = True, PDL: tl.constexpr = False,
-    HOST_BASE: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
-    """Wait for every peer's inputs of this call, then store this rank's pool layout and, for
+    """Wait for every peer's inputs of this call (STREAM: not at all, every rank's publish
+    ran before this launch in stream order on this GPU, ``stages.stream_ordered``), then store this rank's pool layout and, for
     every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
     WAVES (the fused launch reads them): also the expert waves, consecutive experts until a
     wave's L1 blocks (NB1 column blocks per m-block) reach WAVE_BLOCKS, as
@@ -231,7 +232,7 @@ def layout_kernel(
     epoch = tl.load(at(here, off_epoch, tl.int32))
     diag = at(here, off_diag, tl.int32)
     ok = rank >= 0  # a tensor, so the loop may reassign it
-    s = 0
+    s = R if STREAM else 0
     while (s < R) & ok:
         ready = at(tl.sum(tl.where(sv == s, bases, 0), axis=0), off_ready, tl.int32)
         ok = wait_at_least(ready, epoch, diag, max_spins, timeout_ns, 1, rank, s, epoch, s,
