@@ -5,6 +5,10 @@ of the same weight bytes (``read``: every byte loaded once and summed, no MMA, n
 which bounds what any kernel streaming those bytes can reach under this protocol, and the
 L2's bytes read in the decode L2's own tile order (``read-tiles``: [128, 64] boxes by TMA,
 two programs per SM, tiles dealt round-robin), which bounds that access pattern.
+``--tile-forms`` adds other forms of that read (``TILE_FORMS``: four programs per SM,
+K-block-major boxes, pointer loads), ``--mma-tiles`` the same walk with the decode L2's MMA
+(``mma-tiles``) and with its stores (``mma-tiles-store``): what the L2's MMA and its output
+cost on top of its reads (benchmarks/NOTES.md, session 28).
 
 One GPU, one virtual rank, E experts of M rows each (the GEMM bench's pool; at M <= 128 one
 m-block per expert, so k blocks = k experts' tiles). The count the kernels read
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="PNG of time against weight bytes")
     p.add_argument("--device", default="cuda", help="cpu: Triton's interpreter (a dry run)")
     a = p.parse_args(argv)
-    names = a.variants.split(",")
+    names = [n for n in a.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")

@@ -676,6 +676,40 @@ def test_launch_floor_dry_run(tmp_path, capsys) -> None:
         mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks", "3"])
 
 
+def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
+    # session 28's forms of the L2's tile read (four programs per SM, K-block-major boxes,
+    # pointer loads), each summed and checked against torch's sum by the script, and the
+    # decode L2's MMA alone and with its stores (values checked on GPUs only: the
+    # interpreter's tl.dot of descriptor-loaded bf16 tiles is wrong); no GEMM variant
+    mod = _script("launch_floor")
+    out = tmp_path / "rows.jsonl"
+    forms = "read-tiles-4sm,read-tiles-kb,read-tiles-ptr"
+    assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
+                     "1,2", "--reps", "1", "--warmup", "0", "--variants", "", "--tile-forms",
+                     forms, "--mma-tiles", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = [(r["variant"], r["blocks"]) for r in rows if not r.get("fit") and r["kernel"] == "l2"
+             and r["variant"] != "read"]
+    assert timed == [(f, b) for f in forms.split(",") + ["mma-tiles", "mma-tiles-store"]
+                     for b in (1, 2)]
+    assert {r["variant"] for r in rows if r.get("fit")} >= set(forms.split(","))
+    with pytest.raises(SystemExit):   # argparse's error: an unknown form
+        mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--tile-forms",
+                  "read-tiles-x"])
+
+
+def test_k_blocked_weights_put_each_box_in_a_row_run() -> None:
+    # [E, H, I] -> rows (e, k step, h) of [E * I / bk * H, bk]: box (e, i, h0..h0+127) is
+    # 128 consecutive rows, the same values as w[e, h0.., i*bk..(i+1)*bk]
+    mod = _script("launch_floor")
+    w = torch.randn(3, 256, 128)
+    kb = mod.k_blocked(w, 64)
+    assert kb.shape == (3 * 2 * 256, 64) and kb.is_contiguous()
+    for e, i, h0 in ((0, 0, 0), (1, 1, 128), (2, 1, 0)):
+        row = (e * 2 + i) * 256 + h0
+        assert torch.equal(kb[row:row + 128], w[e, h0:h0 + 128, i * 64:(i + 1) * 64])
+
+
 def test_fit_line_gives_intercept_and_slope() -> None:
     mod = _script("launch_floor")
     assert mod.fit_line([(0, 7.0), (100, 32.0), (200, 57.0)]) == pytest.approx((7.0, 0.25))
