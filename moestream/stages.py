@@ -887,8 +887,8 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
         BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
-        FIX_ROUNDING=INTERPRET, HOST_BASE=True, **tuning.pdl_args(buffer),
-        **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, HOST_BASE=True, PEER_SCOPE="gpu" if buffer.one_device else "sys",
+        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
 def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False) -> None:

@@ -115,6 +115,7 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
     for name, args, kw in launches:
         if name == "publish_kernel":   # one launch per local rank, each with its own buffer
             assert kw["HOST_BASE"] is True
+            assert kw["PEER_SCOPE"] == "gpu"   # its ready flag: every reader on this GPU
             published.append((args[1], args[HOST_BASE_ARG[name]]))
             continue
         # the L1 in decode pieces only (its whole tiles measured slower with it)

@@ -75,7 +75,7 @@ def publish_kernel(
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr, BLOCK: tl.constexpr,
     QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
-    HOST_BASE: tl.constexpr = False,
+    HOST_BASE: tl.constexpr = False, PEER_SCOPE: tl.constexpr = "sys",
 ):
     """One rank's inputs of the next call into its buffer, then the signal that publishes
     them. Grid E + 1 + COPY: program e <= E numbers expert e's picks into ``slot`` and
@@ -83,7 +83,8 @@ def publish_kernel(
     the GPU holds of the copy programs); program E + 1 + c zeroes its share of the per-call
     counters and copies tokens [c*BT, c*BT + BT) (rows and picks). Each program then counts itself done
     (acq_rel, gpu scope); the last one resets that count and signals: epoch += 1, ready = epoch
-    (release, system scope; cumulative over the other programs' stores, which it acquired).
+    (release at PEER_SCOPE: "sys", or "gpu" where every rank's buffer is on this GPU,
+    ``SymmBuffer.one_device``; cumulative over the other programs' stores, which it acquired).
 
     QUANT (fp8 mode): publish each row as e4m3 values followed by its fp32 scales, one per
     128 channels (moestream.quant.quantize_act_fp8's format; BH a multiple of 128).
@@ -165,7 +166,7 @@ def publish_kernel(
         tl.store(published, 0)   # the next call's publish launch runs after this one
         tl.store(at(here, off_epoch, tl.int32), epoch + 1)
         tl.atomic_xchg(at(here, off_ready, tl.int32), epoch + 1, sem="release",
-                       scope="sys")
+                       scope=PEER_SCOPE)
 
 
 @triton.jit
