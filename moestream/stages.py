@@ -1128,7 +1128,11 @@ def l2_stream(buffer: SymmBuffer, tuning: Tuning) -> bool:
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
-    """y: [local ranks, T, H] bf16 (or [T, H] for one local rank); row stride may exceed H."""
+    """y: [local ranks, T, H] bf16 (or [T, H] for one local rank); row stride may exceed H.
+    ``tuning`` must be the one this call's L2 ran with: it decides whether the L2 signalled
+    and how (``l2_signal``, ``l2_stream``); a combine that waits for a signal the L2 did not
+    send gives up at the buffer's timeout and records the stall (``SymmBuffer.check`` then
+    raises ``KernelStallError``)."""
     cfg = buffer.config
     c = _constants(buffer)
     off = c.off
