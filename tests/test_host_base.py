@@ -71,6 +71,20 @@ def launches(monkeypatch) -> list:
     return seen
 
 
+def _run_layer_checked(device, gen, R: int, Ts: list[int], tuning) -> SymmBuffer:
+    """One layer call on R virtual ranks with fresh inputs (the output poisoned with NaN),
+    checked against the reference; returns the buffer for its counters."""
+    cfg = small_config()
+    buf = SymmBuffer(cfg, num_ranks=R, device=device)
+    xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
+    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
+    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16,
+                     device=device)
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
+    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    return buf
+
+
 def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
     cfg = small_config()
     one = SymmBuffer(cfg, num_ranks=1, device=device)
@@ -100,14 +114,7 @@ def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
 ])
 def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, R, Ts,
                                                          tuning):
-    cfg = small_config()
-    buf = SymmBuffer(cfg, num_ranks=R, device=device)
-    xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
-    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16,
-                     device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
-    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    buf = _run_layer_checked(device, gen, R, Ts, tuning)
     assert sorted(name for name, _, _ in launches) == sorted(
         ["publish_kernel"] * R + ["layout_kernel", "dispatch_kernel", "l1_kernel", "l2_kernel",
          "combine_kernel"])
@@ -142,14 +149,7 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
 ])
 def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts, tuning,
                                                     stream):
-    cfg = small_config()
-    buf = SymmBuffer(cfg, num_ranks=R, device=device)
-    xs, idxs, ws = make_case(cfg, R, Ts, gen, device)
-    w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
-    out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16,
-                     device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, out=out, tuning=tuning)
-    check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
+    buf = _run_layer_checked(device, gen, R, Ts, tuning)
     # every case has its ranks on one device: the layout skips its waits whenever waits are
     # off, the L2 and the combine their signal with the rank signal too
     assert stages.stream_ordered(buf, tuning) is (not tuning.wait)
