@@ -10,7 +10,8 @@ K-block-major boxes, pointer loads), ``--mma-tiles`` the same walk with the deco
 (``mma-tiles``) and with its stores (``mma-tiles-store``): what the L2's MMA and its output
 cost on top of its reads (benchmarks/NOTES.md, session 28).
 
-One GPU, one virtual rank, E experts of M rows each (the GEMM bench's pool; at M <= 128 one
+bf16 and fp8 variants (fp8: weight bytes are the e4m3 values). One GPU, one virtual rank, E
+experts of M rows each (the GEMM bench's pool; at M <= 128 one
 m-block per expert, so k blocks = k experts' tiles). The count the kernels read
 (``block_start[E/R]``) is set to k before each timing, so one compile serves every k. The
 protocol is the GEMM bench's (``moestream.bench.time_cuda``, queue-ahead). A line through
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
     from moestream.bench import time_cuda
     from moestream.bench_kernels import VARIANTS, _prepare, picks_per_token
     from moestream.config import SHAPES, MoEConfig
+    from moestream.testing import quantize_weights
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,19 +322,26 @@ def main(argv=None) -> int:
                 got, ref = float(mma_partials.sum()), float(want.sum())
                 assert abs(got - ref) <= 1e-3 * max(1.0, float(want.abs().sum())), (form, got, ref)
         forms = forms + ["mma-tiles", "mma-tiles-store"]
+    w8 = None   # fp8 copies of the weights, made when an fp8 variant first needs them
     for name in names:
         v = VARIANTS[name]
-        if v.dtype != "bf16":
-            p.error(f"{name}: bf16 variants only")
+        if v.dtype not in ("bf16", "fp8"):
+            p.error(f"{name}: bf16 and fp8 variants only")
         cfg = MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K, block_m=v.block_m,
-                        max_tokens_per_rank=E * M // K)
+                        max_tokens_per_rank=E * M // K, dtype=v.dtype)
         buf, _, _ = _prepare(cfg, 1, M, v, dev, gen)
         count = buf.view("block_start", 0)[E:E + 1]
         full = int(count.item())
         assert full == E, (full, E)   # one m-block per expert
         tuning = replace(v.tuning, wait=False)
-        gemms = {"l1": (lambda: stages.l1(buf, [w13], tuning=tuning), 2 * I * H * 2),
-                 "l2": (lambda: stages.l2(buf, [w2], tuning=tuning), H * I * 2)}
+        if v.dtype == "fp8":   # e4m3 weights and their 128x128 block scales (bytes: values)
+            if w8 is None:
+                w8 = quantize_weights([w13], [w2])
+            wl1, wl2, per = w8[0], w8[1], 1
+        else:
+            wl1, wl2, per = [w13], [w2], 2
+        gemms = {"l1": (lambda: stages.l1(buf, wl1, tuning=tuning), 2 * I * H * per),
+                 "l2": (lambda: stages.l2(buf, wl2, tuning=tuning), H * I * per)}
         for kernel, (fn, expert_bytes) in gemms.items():
             grid = stages._programs(buf, tuning, tuning.gemm_per_sm)
             t = time_cuda(lambda: empty[(grid,)](scratch, 1), **timing)

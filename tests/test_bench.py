@@ -680,18 +680,22 @@ def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
     # session 28's forms of the L2's tile read (four programs per SM, K-block-major boxes,
     # pointer loads), each summed and checked against torch's sum by the script, and the
     # decode L2's MMA alone and with its stores (values checked on GPUs only: the
-    # interpreter's tl.dot of descriptor-loaded bf16 tiles is wrong); no GEMM variant
+    # interpreter's tl.dot of descriptor-loaded bf16 tiles is wrong); an fp8 GEMM variant,
+    # whose weight bytes are its e4m3 values
     mod = _script("launch_floor")
     out = tmp_path / "rows.jsonl"
     forms = "read-tiles-4sm,read-tiles-kb,read-tiles-ptr"
     assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
-                     "1,2", "--reps", "1", "--warmup", "0", "--variants", "", "--tile-forms",
-                     forms, "--mma-tiles", "--out", str(out)]) == 0
+                     "1,2", "--reps", "1", "--warmup", "0", "--variants", "fp8-dec16",
+                     "--tile-forms", forms, "--mma-tiles", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     timed = [(r["variant"], r["blocks"]) for r in rows if not r.get("fit") and r["kernel"] == "l2"
              and r["variant"] != "read"]
-    assert timed == [(f, b) for f in forms.split(",") + ["mma-tiles", "mma-tiles-store"]
-                     for b in (1, 2)]
+    assert timed == [(f, b) for f in forms.split(",") + ["mma-tiles", "mma-tiles-store",
+                                                          "fp8-dec16"] for b in (1, 2)]
+    assert [r["weight_bytes"] for r in rows if r["variant"] == "fp8-dec16"
+            and r["kernel"] in ("l1", "l2") and not r.get("fit")] == [
+        2 * 128 * 256, 2 * 2 * 128 * 256, 256 * 128, 2 * 256 * 128]
     assert {r["variant"] for r in rows if r.get("fit")} >= set(forms.split(","))
     with pytest.raises(SystemExit):   # argparse's error: an unknown form
         mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--tile-forms",
