@@ -111,6 +111,10 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # L1 tile (384) and L2 tile (512) has a program of its own, all in flight at once
     GemmVariant("dec16-p4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
                                          gemm_per_sm=4)),
+    # session 28: the fp8 decode L1 split-K (kernels/gemm.l1_fp8_split_part; written and
+    # tested on the CPU, compiled for sm_90, not yet measured: fp8-dec16 does not split)
+    GemmVariant("fp8-dec16-split4", 128, replace(replace(_FP8, use_tma=True).decode(
+        16, _DIMS_FP8), l1_split_k=4), "fp8"),
     # session 28: decode pieces by pointer loads (cp.async) instead of TMA descriptors
     GemmVariant("dec16-ptr", 128, replace(_BF16.decode(16, _DIMS_64), use_tma=False)),
     GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,

@@ -288,7 +288,7 @@ class Tuning:
         only while a CUDA graph is being captured, whose replays pay nothing for them;
         True: always, False: never. The fused launch (one local rank, descriptor loads)
         takes its L1 and L2 descriptors the same way.
-    l1_split_k: 1, 4, 8 or 16: with decode pieces (bf16, staged), when a call's L1 tiles
+    l1_split_k: 1, 4, 8 or 16: with decode pieces (bf16 and fp8, staged), when a call's L1 tiles
         are at most a quarter of the programs, up to this many programs share one tile's K
         loop (the device picks the largest power of two >= 4 that fits the programs, from
         the call's m-block count; ``kernels/gemm.split_count``). Each part's fp32 gate and up
@@ -297,7 +297,9 @@ class Tuning:
         part was last, and no part waits for another. A program streaming one tile alone is
         bound by its own K loop (session 22: 1-4 qwen3 experts' L1 take 8-9 µs beyond an
         empty launch whatever the count; with 4 parts 12.1-13.2 -> 8.8-11.8 µs in two runs
-        of opposite order). ``decode`` sets 4 in bf16. Where it applies: a rank receives
+        of opposite order). ``decode`` sets 4 in bf16 (fp8 parts since session 28,
+        ``kernels/gemm.l1_fp8_split_part``: tested on the CPU, compiled for sm_90, not yet
+        measured, so ``decode`` leaves fp8 unsplit). Where it applies: a rank receives
         about T x top-k picks per call whatever the number of ranks, so at 1 token per rank a
         top-8 model has ~8 m-blocks on every rank (qwen3: 96 L1 tiles on 264 programs, no
         split); it splits where few experts are hit (top-k <= 4 at qwen3 dims, a rank whose
@@ -505,7 +507,7 @@ class Tuning:
             return replace(self, fp4w_rows=16, l1_warps=4, l1_stages=3, l2_warps=4,
                            l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts,
                            gemm_claim=True)
-        if cfg.dtype == "fp8":
+        if cfg.dtype == "fp8":   # l1_split_k works in fp8 too (session 28; not measured yet)
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
                            dispatch_parts=parts, gemm_claim=True)
@@ -1037,7 +1039,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
         a_rows=_a_rows(cfg, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
-    split = tuning.l1_split_k if dm and not tail and cfg.dtype == "bf16" else 1
+    split = tuning.l1_split_k if dm and not tail and cfg.dtype in ("bf16", "fp8") else 1
     sums, counts = _split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
     # the host's base in decode pieces only: whole tiles (bf16 L1 alone, session 27, one H200,
     # A/B) were 2-3 % slower with it (qwen3 512 / 2048 rows per expert 158.0 -> 161.7 / 600.0

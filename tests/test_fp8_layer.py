@@ -196,14 +196,16 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
 
 
 def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None,
-                          impl="staged") -> None:
+                          impl="staged") -> SymmBuffer:
     """One fp8 call (``impl``) with ``tuning`` on len(Ts) virtual ranks against the quantized
-    reference, buffer poisoned first (``routing`` as ``make_case`` takes it)."""
+    reference, buffer poisoned first (``routing`` as ``make_case`` takes it); returns the
+    buffer (its scratch, for the split-K tests)."""
     buf = SymmBuffer(cfg, num_ranks=len(Ts), device=device)
     poison(buf)
     xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
     ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=tuning, impl=impl)
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=str(tuning))
+    return buf
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

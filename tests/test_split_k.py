@@ -113,6 +113,37 @@ def test_split_k_computes_the_same_layer(device, gen, gemm, cfg_changes, Ts, tun
     assert_parts_ran(buf, gemm)
 
 
+FP8_CASES = [
+    # T=1: 1-2 m-blocks x 2 column blocks of 128 on 16 programs, S = 4; hidden 256 is two
+    # 128-column K steps (one scale block each), so parts 2 and 3 have no step (zero sums)
+    (dict(), [1], stages.Tuning(decode_rows=16, use_tma=True, l1_block_n=128, l1_split_k=4,
+                                programs=16), None),
+    # hidden 512: four steps, one per part (a part left out of the sum shows), pointer loads,
+    # no waits, two virtual ranks (each its own slots and counts)
+    (dict(hidden=512), [2, 1], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=128,
+                                             l1_split_k=4, wait=False, programs=32), None),
+    # blocks of 5 and 14 rows split, blocks of 20 and 32 rows whole (part 0, as unsplit), an
+    # expert with no token, in one call: 5 m-blocks x 2 column blocks, 4 parts on 48 programs
+    (dict(block_m=32, max_tokens_per_rank=72, num_experts=4), [70],
+     stages.Tuning(decode_rows=16, use_tma=True, l1_block_n=128, l1_split_k=4, programs=48),
+     "tail"),
+]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("cfg_changes, Ts, tuning, routing", FP8_CASES,
+                         ids=["T1-empty-parts", "step-per-part-two-ranks", "mixed-blocks"])
+def test_fp8_l1_split_k_computes_the_same_layer(device, gen, cfg_changes, Ts, tuning, routing):
+    # the fp8 decode L1 split (``kernels/gemm.l1_fp8_split_part``): each part's steps scaled
+    # by their own activation and weight scales, the last part's SwiGLU and re-quantization,
+    # against the quantization-aware reference
+    from test_fp8_layer import check_tuned_fp8_layer, fp8_config
+    cfg = fp8_config(**cfg_changes)
+    buf = check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, drop=0.0,
+                                routing=tail_routing(gen) if routing else None)
+    assert_parts_ran(buf, "l1")
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_fused_l2_in_two_parts_where_k_is_long(device, gen, monkeypatch):
     # fused_min_split is 2 from intermediate 8192 (mixtral), too large for the interpreter:

@@ -36,8 +36,8 @@ from __future__ import annotations
 from ._common import (aligned_ptr_from, at, launch_context, pdl_enter, peer_ptr,
                       peer_ptrs, rank_base, tl, to_bf16, triton, wait_at_least, zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
-from .gemm_fp8 import (fp8_descriptors, l1_fp8_block, l1_fp8_decode_block, l2_fp8_acc,
-                       l2_fp8_rows)
+from .gemm_fp8 import (fp8_descriptors, l1_fp8_acc, l1_fp8_block, l1_fp8_decode_block,
+                       l1_fp8_epilogue, l2_fp8_acc, l2_fp8_rows)
 
 
 @triton.jit
@@ -518,6 +518,50 @@ def l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_w
 
 
 @triton.jit
+def l1_fp8_split_part(tile, part, S, mb, nb, meta, table, rank, l1_done, off_pool_x,
+                      off_pool_weight, off_pool_act, w13, w13_s, a_desc, w_desc, sums, counts,
+                      H, I, XB, AB, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      DM: tl.constexpr, FIX_ROUNDING: tl.constexpr, USE_TMA: tl.constexpr,
+                      SIGNAL: tl.constexpr):
+    """``l1_split_part`` for fp8 decode pieces: part ``part`` of S runs whole BK-column K
+    steps (one scale block each, every product scaled by its step's activation and weight
+    scales), its fp32 gate and up sums [BN, DM] go to ``sums`` slot tile * S + part, and the
+    part that counts last adds the S slots in order, applies SwiGLU x weight, re-quantizes
+    the rows (``l1_fp8_epilogue``), sets the count back to 0 and signals the block. A block
+    of more than DM rows runs whole in part 0 (``l1_fp8_pool_block``)."""
+    vm = meta & 511
+    if vm <= DM:
+        x_q = peer_ptr(table, rank, off_pool_x, tl.float8e4nv)
+        x_s = peer_ptr(table, rank, off_pool_x + H, tl.float32)
+        k_lo, k_hi = split_range(part, S, H, BK)
+        acc_g = tl.zeros([BN, DM], tl.float32)
+        acc_u = tl.zeros([BN, DM], tl.float32)
+        if k_lo < k_hi:   # parts past the last step keep zero sums
+            acc_g, acc_u = l1_fp8_acc(mb, 0, nb, meta >> 9, x_q, x_s, w13, w13_s, H, I, XB,
+                                      XB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA,
+                                      True, k_lo // BK, k_hi // BK)
+        cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
+        slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
+        tl.store(slot + cell, acc_g)
+        tl.store(slot + BN * DM + cell, acc_u)
+        if count_split_part(counts, tile) == S - 1:
+            first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
+            sum_g = split_total(first, cell, S, 2 * BN * DM, BN, DM)
+            sum_u = split_total(first + BN * DM, cell, S, 2 * BN * DM, BN, DM)
+            l1_fp8_epilogue(tl.trans(sum_g), tl.trans(sum_u), mb, nb, vm,
+                            peer_ptr(table, rank, off_pool_weight, tl.float32),
+                            peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
+                            peer_ptr(table, rank, off_pool_act + I, tl.float32), AB, AB // 4,
+                            BM, BN, FIX_ROUNDING)
+            tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
+            count_l1_done(l1_done, mb, SIGNAL)
+    elif part == 0:
+        l1_fp8_pool_block(mb, nb, meta, table, rank, l1_done, off_pool_x, off_pool_weight,
+                          off_pool_act, w13, w13_s, H, I, XB, AB, BM, BN, BK, FIX_ROUNDING, DM,
+                          a_desc, w_desc, USE_TMA, 0, False, SIGNAL)
+
+
+@triton.jit
 def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -650,9 +694,9 @@ def l1_kernel(
     HOST_DESC (with USE_TMA, one local rank): ``ad0`` (and for decode pieces ``ad1``) and
     ``wd`` are the descriptors this kernel would build (``stages.host_descriptors``), passed
     as kernel parameters: no descriptor is written and fenced in global memory first.
-    SPLIT_K > 1 (bf16 decode pieces, no tail pieces): when the call's tiles are at most a
-    quarter of the programs, S >= 4 programs share each tile's K loop (``split_count``,
-    ``l1_split_part``), one part per program.
+    SPLIT_K > 1 (bf16 or fp8 decode pieces, no tail pieces): when the call's tiles are at
+    most a quarter of the programs, S >= 4 programs share each tile's K loop (``split_count``,
+    ``l1_split_part``, ``l1_fp8_split_part``), one part per program.
     CLAIM: after its first two tickets (pid, pid + nprog) a program claims each next one
     from a counter (``next_tickets``) instead of taking every nprog-th: a program held up by
     a costly block (a hot expert's block of several decode pieces) then takes fewer of the
@@ -662,8 +706,8 @@ def l1_kernel(
     load at once, not after a load of the table (the other regions' pointers still come
     from the table: see ``rank_base``)."""
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
-    tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8 and not TAIL and W4 == 0),
-                     "split-K: bf16 decode pieces")
+    tl.static_assert(SPLIT_K == 1 or (DM > 0 and not TAIL and W4 == 0),
+                     "split-K: bf16 or fp8 decode pieces")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
@@ -709,13 +753,17 @@ def l1_kernel(
                     ok = wait_at_least(arrival + mb, (meta_s & 511) * PARTS, diag, max_spins,
                                        timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                        USE_TIMER=USE_TIMER)
-                if ok:
-                    # this local rank's slots: [local ranks, programs, ...] (stages.l1)
+                # this local rank's slots: [local ranks, programs, ...] (stages.l1)
+                sums = split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM)
+                if ok and FP8:
+                    l1_fp8_split_part(tile, pid % S, S, mb, nb, meta_s, table, rank, l1_done,
+                                      off_pool_x, off_pool_weight, off_pool_act, w13, w13_s,
+                                      a_desc, w_desc, sums, split_counts + lr * nprog, H, I,
+                                      XB, AB, BM, BN, BK, DM, UPCAST, USE_TMA, SIGNAL)
+                elif ok:
                     l1_split_part(tile, pid % S, S, mb, nb, meta_s, l1_done, pool_x, pool_w,
-                                  pool_act, w13, a_desc, w_desc,
-                                  split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM),
-                                  split_counts + lr * nprog, H, I, BM, BN, BK, DM, UPCAST,
-                                  USE_TMA, SIGNAL)
+                                  pool_act, w13, a_desc, w_desc, sums, split_counts + lr * nprog,
+                                  H, I, BM, BN, BK, DM, UPCAST, USE_TMA, SIGNAL)
             ticket = total   # the loop below has nothing left
     claims = claims_ptr(table, here, off_claims, CLAIM)
     on = claiming(total, nprog, CLAIM)

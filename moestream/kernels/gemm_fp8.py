@@ -153,7 +153,26 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
     """Rows r0 .. r0+ROWS-1 of an fp8 L1 block (``l1_fp8_block``). SWAP (decode pieces): the
     weights as the MMA row operand ([BN, ROWS] accumulators, ``fp8_swap_step``), transposed
     for the epilogue. USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    acc_g, acc_u = l1_fp8_acc(mb, r0, nb, e, x_q, x_scale, w13, w13_s, H, I, X_STRIDE,
+                              XS_STRIDE, BM, BN, BK, ROWS, a_desc, w_desc, USE_TMA, SWAP)
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
+                    BM, BN, FIX_ROUNDING, r0)
+
+
+@triton.jit
+def l1_fp8_acc(mb, r0, nb, e, x_q, x_scale, w13, w13_s, H, I, X_STRIDE, XS_STRIDE,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+               a_desc, w_desc, USE_TMA: tl.constexpr, SWAP: tl.constexpr, kb_lo=0, kb_hi=-1):
+    """The fp32 gate and up sums of rows r0 .. r0+ROWS-1 of an fp8 L1 block over K steps
+    [kb_lo, kb_hi) (kb_hi -1: every step; a split-K part's range, ``kernels/gemm.
+    l1_fp8_split_part``), each step's product scaled by its activation and weight scales:
+    [ROWS, BN] each, or [BN, ROWS] with SWAP (not transposed)."""
     KB = H // BK
+    if kb_hi < 0:
+        kb_hi = KB
     kk = tl.arange(0, BK)
     n = nb * BN + tl.arange(0, BN)
     e64 = e.to(tl.int64)
@@ -163,14 +182,16 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
     sg_ptrs = fp8_w_scales(w13_s, e64, 2 * I, nb, BN, KB)   # gate rows
     su_ptrs = sg_ptrs + (I // 128) * KB                      # up rows
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
-    a_ptrs = x_q + rows[:, None] * X_STRIDE + kk[None, :]
-    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kk[None, :]
+    a_ptrs = x_q + rows[:, None] * X_STRIDE + kb_lo * BK + kk[None, :]
+    wg_ptrs = w13 + e64 * 2 * I * H + n[:, None].to(tl.int64) * H + kb_lo * BK + kk[None, :]
     wu_ptrs = wg_ptrs + I * H
     xs_ptrs = x_scale + rows * XS_STRIDE
     acc_g = zero_acc(ROWS, BN, SWAP)
     acc_u = zero_acc(ROWS, BN, SWAP)
-    xs_n, sg_n, su_n = tl.load(xs_ptrs), tl.load(sg_ptrs), tl.load(su_ptrs)   # K step 0
-    for kb in range(0, KB):
+    # step kb_lo's scales (kb_lo < KB: a split part with no step does not come here)
+    xs_n, sg_n = tl.load(xs_ptrs + kb_lo), tl.load(sg_ptrs + kb_lo)
+    su_n = tl.load(su_ptrs + kb_lo)
+    for kb in range(kb_lo, kb_hi):
         # this step's scales were loaded one step ahead (``next_scale_step``)
         xs, sg, su = xs_n, sg_n, su_n
         kn = next_scale_step(kb, KB)
@@ -199,11 +220,7 @@ def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_
         a_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
-    l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM, BN, FIX_ROUNDING, r0)
+    return acc_g, acc_u
 
 
 @triton.jit
