@@ -409,6 +409,27 @@ def split_total(first, cell, S, SLOT: tl.constexpr, A: tl.constexpr, B: tl.const
 
 
 @triton.jit
+def store_l1_part(acc_g, acc_u, tile, part, S, sums, counts, BN: tl.constexpr,
+                  DM: tl.constexpr):
+    """A split-K L1 part's fp32 gate and up sums [BN, DM] into ``sums`` slot tile * S + part,
+    then its count; whether it counted last (and so finishes the tile, ``l1_part_totals``)."""
+    cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
+    slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
+    tl.store(slot + cell, acc_g)
+    tl.store(slot + BN * DM + cell, acc_u)
+    return count_split_part(counts, tile) == S - 1
+
+
+@triton.jit
+def l1_part_totals(sums, tile, S, BN: tl.constexpr, DM: tl.constexpr):
+    """The gate and up sums of a split-K L1 tile's S parts, added in part order."""
+    cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
+    first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
+    return (split_total(first, cell, S, 2 * BN * DM, BN, DM),
+            split_total(first + BN * DM, cell, S, 2 * BN * DM, BN, DM))
+
+
+@triton.jit
 def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc,
                   w_desc, sums, counts, H, I, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, DM: tl.constexpr, UPCAST: tl.constexpr,
@@ -423,14 +444,8 @@ def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act
         k_lo, k_hi = split_range(part, S, H, BK)
         acc_g, acc_u = l1_acc(mb, 0, nb, meta >> 9, pool_x, w13, a_desc[0], w_desc, H, I, BM,
                               BN, BK, DM, UPCAST, USE_TMA, True, k_lo, k_hi)
-        cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
-        slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
-        tl.store(slot + cell, acc_g)
-        tl.store(slot + BN * DM + cell, acc_u)
-        if count_split_part(counts, tile) == S - 1:
-            first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
-            sum_g = split_total(first, cell, S, 2 * BN * DM, BN, DM)
-            sum_u = split_total(first + BN * DM, cell, S, 2 * BN * DM, BN, DM)
+        if store_l1_part(acc_g, acc_u, tile, part, S, sums, counts, BN, DM):
+            sum_g, sum_u = l1_part_totals(sums, tile, S, BN, DM)
             l1_store(sum_g, sum_u, mb, 0, nb, vm, pool_w, pool_act, I, BM, BN, DM, UPCAST,
                      True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
@@ -540,14 +555,8 @@ def l1_fp8_split_part(tile, part, S, mb, nb, meta, table, rank, l1_done, off_poo
             acc_g, acc_u = l1_fp8_acc(mb, 0, nb, meta >> 9, x_q, x_s, w13, w13_s, H, I, XB,
                                       XB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA,
                                       True, k_lo // BK, k_hi // BK)
-        cell = tl.arange(0, BN)[:, None] * DM + tl.arange(0, DM)[None, :]
-        slot = sums + (tile * S + part).to(tl.int64) * (2 * BN * DM)
-        tl.store(slot + cell, acc_g)
-        tl.store(slot + BN * DM + cell, acc_u)
-        if count_split_part(counts, tile) == S - 1:
-            first = sums + (tile * S).to(tl.int64) * (2 * BN * DM)
-            sum_g = split_total(first, cell, S, 2 * BN * DM, BN, DM)
-            sum_u = split_total(first + BN * DM, cell, S, 2 * BN * DM, BN, DM)
+        if store_l1_part(acc_g, acc_u, tile, part, S, sums, counts, BN, DM):
+            sum_g, sum_u = l1_part_totals(sums, tile, S, BN, DM)
             l1_fp8_epilogue(tl.trans(sum_g), tl.trans(sum_u), mb, nb, vm,
                             peer_ptr(table, rank, off_pool_weight, tl.float32),
                             peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
