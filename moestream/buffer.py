@@ -185,6 +185,12 @@ class SymmBuffer:
         so that a release at GPU scope reaches every rank's kernels."""
         return self.local_ranks == self.num_ranks
 
+    @property
+    def peer_scope(self) -> str:
+        """Memory scope of the releases other ranks' kernels acquire (publish's ``ready``, the
+        L2's rank signal): "gpu" where every rank is on this device, else "sys"."""
+        return "gpu" if self.one_device else "sys"
+
     def offsets(self) -> dict[str, int]:
         """Kernel arguments ``off_<region>``: every region's byte offset (and the reset span's)."""
         return {f"off_{n}": off for n, off in self.layout.offsets().items()} | {

@@ -889,7 +889,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
         BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
-        FIX_ROUNDING=INTERPRET, HOST_BASE=True, PEER_SCOPE="gpu" if buffer.one_device else "sys",
+        FIX_ROUNDING=INTERPRET, HOST_BASE=True, PEER_SCOPE=buffer.peer_scope,
         **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
 
 
@@ -1100,7 +1100,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               CLAIM=tuning.gemm_claim and not flat,
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
               DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, HOST_BASE=buffer.host_base is not None,
-              PEER_SCOPE="gpu" if buffer.one_device else "sys",
+              PEER_SCOPE=buffer.peer_scope,
               STREAM=l2_stream(buffer, tuning), **host_kw,
               **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))

@@ -484,6 +484,23 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
 
 
 @triton.jit
+def gemm_context(table, rank0, off_epoch, off_diag, host_base, w_table, s_table,
+                 off_block_start, off_block_meta, FP8: tl.constexpr, W4: tl.constexpr,
+                 HOST_BASE: tl.constexpr):
+    """What a staged GEMM program starts from: ``launch_context``'s six values, its rank's
+    buffer address from the table (``here``, for every region but the next two), its local
+    rank's weight pointers (``expert_weights``), and the block count and meta pointers, which
+    take the host's address where HOST_BASE (``rank_base``: the first loads do not wait for
+    the table's; only these two, see there)."""
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
+    first = rank_base(table, rank, host_base, HOST_BASE)   # for the first loads only
+    here = rank_base(table, rank, 0, False)
+    w, w_s = expert_weights(w_table, s_table, lr, FP8, W4 > 0)
+    return (pid, nprog, lr, rank, epoch, diag, here, w, w_s,
+            at(first, off_block_start, tl.int32), at(first, off_block_meta, tl.int32))
+
+
+@triton.jit
 def expert_weights(w_table, s_table, index, FP8: tl.constexpr, W4: tl.constexpr = False):
     """(values, scale_inv) pointers of local rank ``index``'s experts: e4m3 values and fp32
     block scales (FP8; torch allocations, 16-byte aligned), MXFP4 packed pairs and E8M0 codes
@@ -720,12 +737,10 @@ def l1_kernel(
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
     pdl_enter(PDL)
-    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    first = rank_base(table, rank, host_base, HOST_BASE)   # for the first loads only
-    here = rank_base(table, rank, 0, False)
-    w13, w13_s = expert_weights(w13_table, w13s_table, lr, FP8, W4 > 0)
-    block_start = at(first, off_block_start, tl.int32)
-    block_meta = at(first, off_block_meta, tl.int32)
+    (pid, nprog, lr, rank, epoch, diag, here, w13, w13_s, block_start,
+     block_meta) = gemm_context(table, rank0, off_epoch, off_diag, host_base, w13_table,
+                                w13s_table, off_block_start, off_block_meta, FP8, W4,
+                                HOST_BASE)
     arrival = at(here, off_arrival, tl.int32)
     l1_done = at(here, off_l1_done, tl.int32)
     pool_x = at(here, off_pool_x, tl.bfloat16)
@@ -1123,12 +1138,10 @@ def l2_kernel(
     tl.static_assert(not (CLAIM and FLAT), "claimed tickets: the plain loop")
     tl.static_assert(PEER_SCOPE == "sys" or PEER_SCOPE == "gpu", "peer scope: sys or gpu")
     pdl_enter(PDL)
-    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag)
-    first = rank_base(table, rank, host_base, HOST_BASE)   # for the first loads only
-    here = rank_base(table, rank, 0, False)
-    w2, w2_s = expert_weights(w2_table, w2s_table, lr, FP8, W4 > 0)
-    block_start = at(first, off_block_start, tl.int32)
-    block_meta = at(first, off_block_meta, tl.int32)
+    (pid, nprog, lr, rank, epoch, diag, here, w2, w2_s, block_start,
+     block_meta) = gemm_context(table, rank0, off_epoch, off_diag, host_base, w2_table,
+                                w2s_table, off_block_start, off_block_meta, FP8, W4,
+                                HOST_BASE)
     l1_done = at(here, off_l1_done, tl.int32)
     l2_done = at(here, off_l2_done, tl.int32)
     pool_act = at(here, off_pool_act, tl.bfloat16)
