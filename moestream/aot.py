@@ -300,6 +300,10 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = " fp8 decode split"   # the L1's split-K parts (Tuning.l1_split_k)
         stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4))
+        label[0] = " fp8 decode split ptr"   # ... by pointer loads (Tuning.use_tma=False; the
+        # interpreter accepted a form of it that the GPU compiler rejected: session 29)
+        stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4,
+                                                use_tma=False))
         label[0] = " fp8 fused decode"
         stages.run_fused(*args, tuning=tuning8.decode(16, cfg8).for_fused(buf, sms=132))
         label[0] = " fp8 tail"

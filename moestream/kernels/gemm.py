@@ -779,11 +779,15 @@ def l1_kernel(
                                        USE_TIMER=USE_TIMER)
                 # this local rank's slots: [local ranks, programs, ...] (stages.l1)
                 sums = split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM)
-                if ok and FP8:
-                    l1_fp8_split_part(tile, pid % S, S, mb, nb, meta_s, table, rank, l1_done,
-                                      off_pool_x, off_pool_weight, off_pool_act, w13, w13_s,
-                                      a_desc, w_desc, sums, split_counts + lr * nprog, H, I,
-                                      XB, AB, BM, BN, BK, DM, UPCAST, USE_TMA, SIGNAL)
+                # FP8 decides at compile time (``ok and FP8`` would compile the bf16 part into
+                # fp8 kernels too, which fails for pointer loads: session 29)
+                if FP8:
+                    if ok:
+                        l1_fp8_split_part(tile, pid % S, S, mb, nb, meta_s, table, rank,
+                                          l1_done, off_pool_x, off_pool_weight, off_pool_act,
+                                          w13, w13_s, a_desc, w_desc, sums,
+                                          split_counts + lr * nprog, H, I, XB, AB, BM, BN, BK,
+                                          DM, UPCAST, USE_TMA, SIGNAL)
                 elif ok:
                     l1_split_part(tile, pid % S, S, mb, nb, meta_s, l1_done, pool_x, pool_w,
                                   pool_act, w13, a_desc, w_desc, sums, split_counts + lr * nprog,
