@@ -111,8 +111,8 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # L1 tile (384) and L2 tile (512) has a program of its own, all in flight at once
     GemmVariant("dec16-p4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
                                          gemm_per_sm=4)),
-    # session 28: the fp8 decode L1 split-K (kernels/gemm.l1_fp8_split_part; written and
-    # tested on the CPU, compiled for sm_90, not yet measured: fp8-dec16 does not split)
+    # session 28: the fp8 decode L1 split-K (kernels/gemm.l1_fp8_split_part; Tuning.for_call
+    # sets it where a call's tiles split, stages.fp8_l1_split_for, session 29)
     GemmVariant("fp8-dec16-split4", 128, replace(replace(_FP8, use_tma=True).decode(
         16, _DIMS_FP8), l1_split_k=4), "fp8"),
     # session 28: decode pieces by pointer loads (cp.async) instead of TMA descriptors

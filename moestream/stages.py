@@ -26,7 +26,7 @@ from .layout import DIAG_FIELDS
 __all__ = ["Tuning", "publish", "layout", "dispatch", "l1", "l2", "combine", "fused",
            "run_staged", "run_fused", "fused_tuning", "fused_default", "max_tickets", "STAGES",
            "resident_per_sm",
-           "pick_slots", "decode_rows_for", "tail_rows_for"]
+           "pick_slots", "decode_rows_for", "tail_rows_for", "fp8_l1_split_for"]
 
 assert DIAG_FIELDS.index("bad_topk") == 8  # the publish kernel adds to diag + 8
 
@@ -56,6 +56,21 @@ def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
     if block_m % 16 == 0 and mean + 3 * mean ** 0.5 + 1 <= 32:
         return 16
     return 0
+
+
+def fp8_l1_split_for(*, tokens: int, top_k: int, experts_per_rank: int,
+                     l1_tiles_per_block: int, programs: int) -> int:
+    """``Tuning.l1_split_k`` for an fp8 call in decode pieces: 4 where the m-blocks a rank
+    expects (one per expert hit: about tokens * top_k picks under uniform routing, at most
+    its experts) leave at most a quarter of the L1's programs a tile, so the device splits
+    (``kernels/gemm.split_count``), else 1. The fp8 L1 compiled with its split parts holds
+    255 registers and runs its unsplit tiles slower than the kernel without them, so the
+    split form is launched only where it is expected to split. Measured on one H200 (world
+    size 1, qwen3, benchmarks/NOTES.md, session 29; the L1 inside the layer's graph replays,
+    two runs in opposite order): 1 token (8 blocks of 6 tiles on 264 programs) 15.5 / 16.0
+    -> 13.9 / 13.6 µs; 2, 4, 8 tokens (no split) 22.0 -> 26.1, 30.8 -> 34.7, 52.3 -> 56.7."""
+    blocks = min(experts_per_rank, max(tokens, 1) * top_k)
+    return 4 if blocks * l1_tiles_per_block * 4 <= programs else 1
 
 
 def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_m: int,
@@ -297,9 +312,10 @@ class Tuning:
         part was last, and no part waits for another. A program streaming one tile alone is
         bound by its own K loop (session 22: 1-4 qwen3 experts' L1 take 8-9 µs beyond an
         empty launch whatever the count; with 4 parts 12.1-13.2 -> 8.8-11.8 µs in two runs
-        of opposite order). ``decode`` sets 4 in bf16 (fp8 parts since session 28,
-        ``kernels/gemm.l1_fp8_split_part``: tested on the CPU, compiled for sm_90, not yet
-        measured, so ``decode`` leaves fp8 unsplit). Where it applies: a rank receives
+        of opposite order). ``decode`` sets 4 in bf16; in fp8 (``kernels/gemm.
+        l1_fp8_split_part``) ``for_call`` sets 4 only where a call's expected tiles split
+        (``fp8_l1_split_for``): the fp8 kernel with the split form in it is slower where it
+        does not split (session 29). Where it applies: a rank receives
         about T x top-k picks per call whatever the number of ranks, so at 1 token per rank a
         top-8 model has ~8 m-blocks on every rank (qwen3: 96 L1 tiles on 264 programs, no
         split); it splits where few experts are hit (top-k <= 4 at qwen3 dims, a rank whose
@@ -465,7 +481,14 @@ class Tuning:
         dm = decode_rows_for(tokens=tokens, ranks=buffer.num_ranks, top_k=cfg.top_k,
                              num_experts=cfg.num_experts, block_m=cfg.block_m) if decode else 0
         if dm:
-            return t.decode(dm, cfg)
+            t = t.decode(dm, cfg)
+            if cfg.dtype == "fp8":
+                t = replace(t, l1_split_k=fp8_l1_split_for(
+                    tokens=tokens, top_k=cfg.top_k,
+                    experts_per_rank=cfg.experts_per_rank(buffer.num_ranks),
+                    l1_tiles_per_block=cfg.intermediate // t.l1_tile(cfg)[0],
+                    programs=sms * t.gemm_per_sm))
+            return t
         if decode:
             l1_tail, l2_tail = tail_rows_for(tokens=tokens, ranks=buffer.num_ranks,
                                              top_k=cfg.top_k, num_experts=cfg.num_experts,
@@ -507,7 +530,7 @@ class Tuning:
             return replace(self, fp4w_rows=16, l1_warps=4, l1_stages=3, l2_warps=4,
                            l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts,
                            gemm_claim=True)
-        if cfg.dtype == "fp8":   # l1_split_k works in fp8 too (session 28; not measured yet)
+        if cfg.dtype == "fp8":   # l1_split_k: Tuning.for_call (fp8_l1_split_for)
             return replace(self, decode_rows=rows, l1_block_n=128, l1_warps=4, l1_stages=3,
                            l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
                            dispatch_parts=parts, gemm_claim=True)

@@ -927,6 +927,35 @@ def test_tail_rows_rule(tokens, top_k, experts, block_m, dtype, split, want):
                                 block_m=block_m, dtype=dtype, l2_split_m=split) == want
 
 
+@pytest.mark.parametrize("tokens, top_k, experts, tiles, programs, want", [
+    (1, 8, 128, 6, 264, 4),     # qwen3 fp8, 1 token: 8 blocks x 6 tiles x 4 = 192 <= 264
+    (2, 8, 128, 6, 264, 1),     # 2 tokens: 16 blocks, 384 > 264 (the device would not split)
+    (1, 8, 128, 16, 264, 1),    # dsv3 fp8 (I = 2048: 16 tiles a block): 512 > 264
+    (1, 4, 128, 6, 264, 4),     # top-4: 96 <= 264
+    (8, 8, 2, 6, 264, 4),       # 2 local experts: at most 2 blocks whatever the picks
+    (1, 8, 128, 6, 132, 1),     # one program per SM: 192 > 132
+    (0, 8, 128, 6, 264, 4),     # no tokens: as one (the call may still have peers' picks)
+])
+def test_fp8_l1_split_rule(tokens, top_k, experts, tiles, programs, want):
+    assert stages.fp8_l1_split_for(tokens=tokens, top_k=top_k, experts_per_rank=experts,
+                                   l1_tiles_per_block=tiles, programs=programs) == want
+
+
+def test_for_call_splits_the_fp8_decode_l1_only_where_it_splits():
+    # session 29 (one H200): the fp8 L1 with its split form in it runs unsplit tiles slower,
+    # so for_call launches it only where a call's expected tiles split; bf16 keeps 4 in
+    # every decode call (its split kernel costs nothing unsplit, session 22)
+    from dataclasses import replace as dc_replace
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=256)
+    got = {}
+    for fmt in ("fp8", "bf16"):
+        b = SymmBuffer(cfg.with_(dtype=fmt), num_ranks=1, device="cpu")
+        b._launch_constants = dc_replace(stages._constants(b), sms=132)
+        got[fmt] = [stages.Tuning.for_call(b, T).l1_split_k for T in (1, 2, 8, 4096)]
+        b.destroy()
+    assert got == {"fp8": [4, 1, 1, 1], "bf16": [4, 4, 4, 1]}
+
+
 def test_for_call_turns_decode_pieces_on_for_decode_calls():
     # with the GPU's SM count in place (a CPU buffer otherwise keeps the interpreter's tiles):
     # a decode call gets pieces and their launch shapes (the fused launch too, two programs
