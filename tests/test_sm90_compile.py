@@ -252,9 +252,9 @@ def test_fp4w_layer_gemms(compiled_fp4w):
 
 
 def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows):
-    # the fp8 decode L1's split-K parts (Tuning.l1_split_k) in both load forms: e4m3
-    # warpgroup MMAs, no bf16 MMA (the bf16 part is not compiled into an fp8 kernel) and no
-    # spill in the K loops. The pointer form once failed to compile for the GPU while the
+    # the fp8 decode L1's split-K parts (Tuning.l1_split_k) in both load forms compile, with
+    # e4m3 warpgroup MMAs only and no spill in the K loops. The pointer form once failed to
+    # compile for the GPU (the bf16 part was compiled into the fp8 kernel) while the
     # interpreter ran it (benchmarks/NOTES.md, session 29)
     rows = {label(r): r for r in compiled_rows
             if r["name"] == "l1_kernel" and label(r).startswith("fp8 decode split")}
