@@ -34,8 +34,13 @@ check: install
 	$(VENV)/bin/moestream check
 
 # ---- GPU machine (in place, no installs) --------------------------------------------------
+# One GPU's tests in GPU_WORKERS pytest-xdist workers where xdist is installed (most of their
+# time is Triton compiling on the CPU), then the multi-GPU tests one at a time.
+GPU_WORKERS ?= 8
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m "gpu or multigpu" tests
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m "gpu and not multigpu" tests \
+		$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)")
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m multigpu tests
 
 bench:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --out $(RESULTS)/ep_h200x2.jsonl \

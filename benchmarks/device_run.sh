@@ -30,8 +30,10 @@ if has env; then
   python3 -m moestream.cli check 2>&1 | tee -a "$OUT/env.txt"
 fi
 if has test; then
+  # TEST_WORKERS=8: pytest-xdist workers sharing the GPU (the device has 16 cores; most of a
+  # GPU test's time is its kernels' compile, on the CPU)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" ${TESTS:-tests} -p no:cacheprovider \
-    --timeout 240 --durations=25 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+    ${TEST_WORKERS:+-n $TEST_WORKERS} --timeout 240 --durations=25 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 fi
 if has run; then
   timeout ${RUN_TIMEOUT:-120} python3 -m moestream.cli run 2>&1 | tee "$OUT/run.log" | tail -15
