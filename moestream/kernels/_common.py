@@ -36,6 +36,11 @@ import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa: E402
                                          globaltimer)
 
+if INTERPRET:
+    from ._interpret import skip_discarded_overflow_checks, skip_repeated_patches
+    skip_repeated_patches()
+    skip_discarded_overflow_checks()
+
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
            "peer_ptrs", "aligned_ptr_from", "at", "rank_base",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",

@@ -1,0 +1,80 @@
+"""Triton's interpreter without two costs that change nothing it computes (CPU runs only).
+
+Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERPRET=1:
+
+- ``skip_repeated_patches``: Triton 3.6 patches the language modules (``_patch_lang``: every
+  builtin of ``tl``, ``tl.tensor`` and ``tl.math`` replaced by an interpreted one, found with
+  ``inspect.getmembers``) when a kernel is launched, and again every time one ``@triton.jit``
+  function calls another (``InterpretedFunction.__call__``). The launch's patch is still in
+  place then, so the second one replaces nothing (a patched member is no longer a builtin)
+  but still walks the modules: ~1.8 ms per call, 30 030 calls and about half of the 115 s
+  that ``test_eight_virtual_ranks[fused-cpu]`` spent in the interpreter (cProfile, session
+  30). The wrapper skips a call whose language modules are all patched already; a module
+  not yet patched (Triton's own ``tl.standard`` functions see ``tl.core``, which a kernel's
+  patch of ``tl`` leaves alone) is patched as before.
+- ``skip_discarded_overflow_checks``: the integer overflow sanitizer, whose result the
+  interpreter throws away (see there).
+
+Both eight-virtual-rank layer tests: 64.5 s -> 36.7 s (the first) -> 26.2 s (both), one
+process. The kernels compute the same either way, and every interpreter test runs them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import triton.language as tl
+
+__all__ = ["skip_repeated_patches", "skip_discarded_overflow_checks"]
+
+
+def _patched(lang) -> bool:
+    # the interpreter replaces each builtin by a plain function, which is not marked builtin
+    return not tl.core.is_builtin(lang.load)
+
+
+def skip_repeated_patches() -> bool:
+    """Install the wrapper (once). False where this Triton has no ``_patch_lang`` to wrap."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_type is None:
+        return False
+    if getattr(original, "_moestream_wrapped", False):
+        return True
+
+    langs_of: dict = {}     # function -> the language modules its globals hold
+
+    def patch_lang(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = tuple(v for v in fn.__globals__.values()
+                                         if v is tl or v is tl.core)
+        if langs and all(_patched(lang) for lang in langs):
+            return scope_type()          # nothing changed, nothing to restore
+        return original(fn)
+
+    patch_lang._moestream_wrapped = True
+    interpreter._patch_lang = patch_lang
+    return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Turn off the interpreter's integer overflow sanitizer where its result is thrown away.
+
+    Each int32 add, sub and mul of a kernel run by the interpreter also computes the result
+    in int64 and compares it with the int32 range (``binary_op_sanitize_overflow_impl``: four
+    more interpreted operations), then hands the comparison to ``device_assert``, which does
+    nothing unless the builder's ``options.debug`` is set; Triton 3.6's interpreter builds
+    its options with ``debug=False`` and never changes them. That is about a third of the
+    interpreter's time for nothing. Where ``debug`` is on the checks stay. True where they
+    were turned off."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or getattr(options, "debug", True) \
+            or not getattr(options, "sanitize_overflow", False):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
