@@ -27,8 +27,9 @@ run: install
 	$(VENV)/bin/moestream run
 
 # Two workers: CI's machine has 2 cores and the interpreter tests are single-threaded.
+# loadgroup: the sm_90 compile file (one ~5-minute fixture) runs whole, first, on one worker.
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 check: install
 	$(VENV)/bin/moestream check

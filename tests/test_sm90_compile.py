@@ -16,6 +16,10 @@ import pytest
 from moestream.aot import SM90_SHARED_LIMIT
 
 ROOT = Path(__file__).resolve().parents[1]
+# one xdist worker runs this file, and first (`make test`: --dist loadgroup, which queues the
+# largest group first): its module fixture compiles every kernel, ~5 minutes on a fresh CPU
+# machine, which two workers would each pay and which, left to the end, is the suite's tail
+pytestmark = pytest.mark.xdist_group("sm90_compile")
 
 
 @pytest.fixture(scope="module")
