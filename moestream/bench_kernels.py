@@ -204,6 +204,11 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
                                                l2_block_k=256, l2_stages=2)),
     GemmVariant("dec16-l2k256s3", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
                                                l2_block_k=256, l2_stages=3)),
+    # session 30: the bf16 decode L2 with 8 warps (two warpgroups, 64 weight rows each) or 6
+    # stages (18 KB each); qwen3, 32 experts, both orders: 30.9-31.1 and 36.4-36.6 µs against
+    # dec16's 30.5-30.6 (benchmarks/NOTES.md, session 30). Not adopted
+    GemmVariant("dec16-l2w8", 128, replace(_BF16.decode(16, _DIMS_64), l2_warps=8)),
+    GemmVariant("dec16-l2s6", 128, replace(_BF16.decode(16, _DIMS_64), l2_stages=6)),
     # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
     # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
     # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)
