@@ -1,6 +1,7 @@
-"""The interpreter wrapper (moestream.kernels._interpret): one patch of triton.language per
-launch instead of one per nested @triton.jit call, and kernels that still compute right.
-CPU only: on a GPU machine the kernels are compiled and the wrapper is not installed."""
+"""The interpreter helpers (moestream.kernels._interpret): one patch of triton.language per
+launch instead of one per nested @triton.jit call, the int32 overflow sanitizer off only
+where its result was thrown away, and kernels that still compute right. CPU only: on a GPU
+machine the kernels are compiled and the helpers are not installed."""
 from __future__ import annotations
 
 import pytest
