@@ -4,6 +4,10 @@ where its result was thrown away, and kernels that still compute right. CPU only
 machine the kernels are compiled and the helpers are not installed."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,6 +70,8 @@ def _add_kernel(x_ptr, y_ptr, N: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 7)
 
 
+@pytest.mark.skipif(os.environ.get("MOESTREAM_INTERPRET_CHECKS") == "1",
+                    reason="MOESTREAM_INTERPRET_CHECKS=1 turns the checks on")
 def test_the_overflow_sanitizer_is_off_only_where_its_result_was_discarded(gen):
     import dataclasses
 
@@ -99,3 +105,36 @@ def test_the_overflow_sanitizer_is_off_only_where_its_result_was_discarded(gen):
             _add_kernel[(1,)](x, torch.zeros_like(x), N=8)
     finally:
         builder.options = saved
+
+
+OVERFLOW_SCRIPT = """
+import torch
+import moestream
+from moestream.kernels._common import tl, triton
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 7)
+
+x = torch.full((8,), 2**31 - 3, dtype=torch.int32)
+try:
+    add_kernel[(1,)](x, torch.zeros_like(x), N=8)
+    print("wrapped")
+except Exception as e:
+    print("raised:", e)
+"""
+
+
+@pytest.mark.parametrize("checks", ["0", "1"])
+def test_interpret_checks_env_makes_overflow_raise(checks):
+    # MOESTREAM_INTERPRET_CHECKS=1 (read when moestream is imported): an int32 add whose
+    # exact result leaves the range raises; without it the add wraps, as on the GPU
+    env = {**os.environ, "MOESTREAM_INTERPRET_CHECKS": checks, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    if checks == "1":
+        assert "raised:" in res.stdout and "int32 overflow" in res.stdout, res.stdout
+    else:
+        assert res.stdout.strip() == "wrapped", res.stdout

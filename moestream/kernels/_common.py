@@ -37,9 +37,13 @@ from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa
                                          globaltimer)
 
 if INTERPRET:
-    from ._interpret import skip_discarded_overflow_checks, skip_repeated_patches
+    from ._interpret import (enable_overflow_checks, skip_discarded_overflow_checks,
+                             skip_repeated_patches)
     skip_repeated_patches()
-    skip_discarded_overflow_checks()
+    if os.environ.get("MOESTREAM_INTERPRET_CHECKS") == "1":
+        enable_overflow_checks()
+    else:
+        skip_discarded_overflow_checks()
 
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
            "peer_ptrs", "aligned_ptr_from", "at", "rank_base",
