@@ -9,9 +9,9 @@ Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERP
   place then, so the second one replaces nothing (a patched member is no longer a builtin)
   but still walks the modules: ~1.8 ms per call, 30 030 calls and about half of the 115 s
   that ``test_eight_virtual_ranks[fused-cpu]`` spent in the interpreter (cProfile, session
-  30). The wrapper skips a call whose language modules are all patched already; a module
-  not yet patched (Triton's own ``tl.standard`` functions see ``tl.core``, which a kernel's
-  patch of ``tl`` leaves alone) is patched as before.
+  30). The wrapper skips a call made inside a launch whose language modules are all
+  patched already; a module not yet patched (Triton's own ``tl.standard`` functions see
+  ``tl.core``, which a kernel's patch of ``tl`` leaves alone) is patched as before.
 - ``skip_discarded_overflow_checks``: the integer overflow sanitizer, whose result the
   interpreter throws away (see there). With MOESTREAM_INTERPRET_CHECKS=1 in the environment
   ``enable_overflow_checks`` makes those checks real instead (slower; for hunting int32
