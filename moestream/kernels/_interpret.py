@@ -65,6 +65,14 @@ def skip_repeated_patches() -> bool:
     return True
 
 
+def _builder_options():
+    """(the interpreter's builder, its options), None where this Triton has neither."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    return builder, getattr(builder, "options", None)
+
+
 def skip_discarded_overflow_checks() -> bool:
     """Turn off the interpreter's integer overflow sanitizer where its result is thrown away.
 
@@ -75,10 +83,7 @@ def skip_discarded_overflow_checks() -> bool:
     its options with ``debug=False`` and never changes them: in both eight-virtual-rank
     layer tests 11 of 37 s for nothing. Where ``debug`` is on the checks stay. True where
     they were turned off."""
-    from triton.runtime import interpreter
-
-    builder = getattr(interpreter, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
+    builder, options = _builder_options()
     if options is None or getattr(options, "debug", True) \
             or not getattr(options, "sanitize_overflow", False):
         return False
@@ -92,10 +97,7 @@ def enable_overflow_checks() -> bool:
     leaves the int32 range raises instead of wrapping as it would on the GPU. About 1.5x the
     interpreter time of a layer test; the whole suite passed this way in session 30. False
     where this Triton has no interpreter options to set."""
-    from triton.runtime import interpreter
-
-    builder = getattr(interpreter, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
+    builder, options = _builder_options()
     if options is None or not hasattr(options, "debug"):
         return False
     builder.options = dataclasses.replace(options, debug=True, sanitize_overflow=True)
