@@ -7,8 +7,9 @@ L2's bytes read in the decode L2's own tile order (``read-tiles``: [128, 64] box
 two programs per SM, tiles dealt round-robin), which bounds that access pattern.
 ``--tile-forms`` adds other forms of that read (``TILE_FORMS``: four programs per SM,
 K-block-major boxes, pointer loads), ``--mma-tiles`` the same walk with the decode L2's MMA
-(``mma-tiles``) and with its stores (``mma-tiles-store``): what the L2's MMA and its output
-cost on top of its reads (benchmarks/NOTES.md, session 28).
+(``mma-tiles``) and with its stores (``mma-tiles-store``; ``mma-tiles-store-el``: stored at L2
+evict_last priority, as the decode L2 stores its slots since session 31): what the L2's MMA
+and its output cost on top of its reads (benchmarks/NOTES.md, sessions 28 and 31).
 
 bf16 and fp8 variants (fp8: weight bytes are the e4m3 values). One GPU, one virtual rank, E
 experts of M rows each (the GEMM bench's pool; at M <= 128 one
@@ -110,12 +111,13 @@ def _mma_tiles_kernel():
     @triton.jit
     def mma_tiles(w_desc, x_desc, out_ptr, tiles, KS, ROWS: tl.constexpr, BK: tl.constexpr,
                   STAGES: tl.constexpr, EXPERT_ROWS: tl.constexpr, XROWS: tl.constexpr,
-                  STORE: tl.constexpr):
+                  STORE: tl.constexpr, EVICT: tl.constexpr = ""):
         # read-tiles plus the decode L2's MMA: tile t of expert e = t*ROWS // EXPERT_ROWS
         # multiplies its [ROWS, BK] weight boxes by the expert's [XROWS, BK] row boxes (both by
         # TMA, weights as the MMA's row operand, as the GEMM does) into [ROWS, XROWS] fp32.
         # STORE: each tile's [XROWS, ROWS] result is stored in bf16 at out[e*XROWS.., column
-        # block] (the decode L2's epilogue without its scattered slots), else summed per program
+        # block] (the decode L2's epilogue without its scattered slots), else summed per program;
+        # EVICT: the stores' L2 cache priority ("" or "evict_last")
         pid = tl.program_id(0)
         total = tl.zeros([ROWS, XROWS], tl.float32)
         for t in range(pid, tiles, tl.num_programs(0)):
@@ -129,7 +131,7 @@ def _mma_tiles_kernel():
                 rows = expert * XROWS + tl.arange(0, XROWS)
                 cols = (t * ROWS) % EXPERT_ROWS + tl.arange(0, ROWS)
                 tl.store(out_ptr + rows[:, None] * EXPERT_ROWS + cols[None, :],
-                         tl.trans(acc).to(tl.bfloat16))
+                         tl.trans(acc).to(tl.bfloat16), eviction_policy=EVICT)
             else:
                 total += acc
         if not STORE:
@@ -178,7 +180,7 @@ MMA_ROWS = 16   # the decode L2's piece: 16 rows per expert
 
 
 def mma_tiles_bytes(mma_tiles, w2d: torch.Tensor, x2d: torch.Tensor, k: int, expert_rows: int,
-                    out: torch.Tensor, programs: int, *, store: bool) -> None:
+                    out: torch.Tensor, programs: int, *, store: bool, evict: str = "") -> None:
     """One launch of ``mma_tiles`` over the first k experts: w2d [E * H, I], x2d [E * 16, I];
     out is [E * 16, H] bf16 with ``store``, else ``programs`` fp32 partial sums."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -186,7 +188,7 @@ def mma_tiles_bytes(mma_tiles, w2d: torch.Tensor, x2d: torch.Tensor, k: int, exp
     xd = TensorDescriptor.from_tensor(x2d, [MMA_ROWS, TILE_K])
     mma_tiles[(programs,)](wd, xd, out, k * expert_rows // TILE_ROWS, w2d.shape[1] // TILE_K,
                            ROWS=TILE_ROWS, BK=TILE_K, STAGES=5, EXPERT_ROWS=expert_rows,
-                           XROWS=MMA_ROWS, STORE=store, num_warps=4)
+                           XROWS=MMA_ROWS, STORE=store, EVICT=evict, num_warps=4)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -299,11 +301,13 @@ def main(argv=None) -> int:
         x2d = (torch.randn(E * MMA_ROWS, I, generator=gpu_gen, device=dev)).bfloat16()
         y = torch.empty(E * MMA_ROWS, H, dtype=torch.bfloat16, device=dev)
         mma_partials = torch.zeros(sms * 2, dtype=torch.float32, device=dev)
-        for form, store in (("mma-tiles", False), ("mma-tiles-store", True)):
+        for form, store, evict in (("mma-tiles", False, ""), ("mma-tiles-store", True, ""),
+                                   ("mma-tiles-store-el", True, "evict_last")):
             out = y if store else mma_partials
             for k in blocks:
                 t = time_cuda(lambda: mma_tiles_bytes(mma_tiles, w2d, x2d, k, H, out, sms * 2,
-                                                      store=store), **timing)
+                                                      store=store, evict=evict),
+                              **timing)
                 rows.append(dict(variant=form, kernel="l2", blocks=k,
                                  weight_bytes=k * H * I * 2, programs=sms * 2, **t))
             if dev.type != "cuda":
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
             else:
                 got, ref = float(mma_partials.sum()), float(want.sum())
                 assert abs(got - ref) <= 1e-3 * max(1.0, float(want.abs().sum())), (form, got, ref)
-        forms = forms + ["mma-tiles", "mma-tiles-store"]
+        forms = forms + ["mma-tiles", "mma-tiles-store", "mma-tiles-store-el"]
     w8 = None   # fp8 copies of the weights, made when an fp8 variant first needs them
     for name in names:
         v = VARIANTS[name]

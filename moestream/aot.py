@@ -13,7 +13,8 @@ Each kernel's row also carries its innermost SASS loops (``loops``: instructions
 local-memory spill operations per trip; the K loops of the GEMMs) and ``sass_hash``, a hash
 of the instruction text with addresses and kernel-parameter offsets left out: two revisions
 whose kernels have equal hashes compile to the same machine code (compile the other revision
-in a ``git worktree`` and compare; a new kernel parameter alone does not change the hash).
+in a ``git worktree`` and compare; a new kernel parameter alone does not change the hash),
+and ``hinted_stores``, its global stores with an L2 cache policy (the decode L2's slots).
 
 Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/_common.py).
 """
@@ -157,6 +158,11 @@ def _compile_only(capability: int, compiled: dict, label: list):
 _NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?:8|16)\b")
 
 
+# global stores with an L2 cache policy (``tl.store(..., eviction_policy=...)``: PTX's
+# createpolicy operand): the decode L2's combine-slot stores (kernels/gemm.DECODE_SLOT_EVICT)
+_HINTED_STORE = re.compile(r"\bst\.global\S*\.L2::cache_hint\b")
+
+
 def _facts(compiled: dict) -> list[dict]:
     out = []
     for key, (name, kernel) in sorted(compiled.items()):
@@ -166,6 +172,7 @@ def _facts(compiled: dict) -> list[dict]:
         out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
                         shared_bytes=md.shared, launch_pdl=bool(md.launch_pdl),
                         grid_dep_wait="griddepcontrol.wait" in ptx, narrow_global=len(narrow),
+                        hinted_stores=len(_HINTED_STORE.findall(ptx)),
                         **_sass_facts(kernel.asm["cubin"])))
     return out
 

@@ -181,6 +181,20 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
                                warps=row["num_warps"]) == fit, row
 
 
+def test_only_decode_l2_pieces_store_slots_with_a_cache_policy(compiled_rows):
+    # kernels/gemm.DECODE_SLOT_EVICT: the L2's decode pieces (bf16 and fp8, staged and fused,
+    # split-K or not) store their combine slots at L2 evict_last priority; whole tiles and tail
+    # pieces (whose slots can be all of combine_y), fp4w's 16-row pieces and every other
+    # kernel store at normal priority
+    def decode_l2(row):
+        words = label(row).split()
+        return (row["name"] in ("l2_kernel", "fused_kernel") and "decode" in words
+                and "fp4w" not in words)
+    want = sorted(r["kernel"] for r in compiled_rows if decode_l2(r))
+    assert len(want) >= 8, want   # decode, host, fp8 (split, ptr), fused (bf16, host, fp8)
+    assert sorted(r["kernel"] for r in compiled_rows if r["hinted_stores"]) == want
+
+
 def test_host_descriptors_leave_no_descriptor_to_build(compiled_rows):
     # Tuning.host_descriptors (a CUDA graph capture): the staged GEMMs and the fused launch
     # take their descriptors as kernel parameters, so their SASS makes none visible to the

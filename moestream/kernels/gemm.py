@@ -39,6 +39,16 @@ from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_acc, l1_fp8_block, l1_fp8_decode_block,
                        l1_fp8_epilogue, l2_fp8_acc, l2_fp8_rows)
 
+# The L2-cache priority of a decode piece's combine-slot stores (``l2_epilogue``'s EVICT_LAST):
+# a decode call's slots are few and the combine reads them next. Stored at normal priority,
+# they were written back to HBM while the weights streamed through the cache, which the
+# weight reads paid for (session 31, GEMM bench at 16 rows per expert: qwen3 L2 30.0 ->
+# 28.5 µs, dsv3 220 -> 212; launch_floor's MMA walk without stores 28.1-28.3 µs, with them
+# 29.4-29.6, with them at this priority 28.0-28.1). Whole tiles and tail pieces (larger
+# calls, up to all of combine_y) keep the normal priority. Triton's descriptor loads take no
+# cache hint, so the weights cannot be marked the other way.
+DECODE_SLOT_EVICT = tl.constexpr("evict_last")
+
 
 @triton.jit
 def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
@@ -640,14 +650,14 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
                               BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA, True)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
-                        False, EPI_SPLIT, 0, BM // DM)
+                        False, EPI_SPLIT, 0, BM // DM, EVICT_LAST=True)
         else:
             for r0 in range(0, vm, WIDE):
                 acc_w = l2_fp8_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
                                     AB // 4, BM, BN, BK, WIDE, a_desc[1], w_desc, USE_TMA, True)
                 l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                             off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
-                            False, EPI_SPLIT, r0 // WIDE, BM // WIDE)
+                            False, EPI_SPLIT, r0 // WIDE, BM // WIDE, EVICT_LAST=True)
         if SIGNAL_ROWS:
             signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K,
                               BM, DONE_SCOPE)
@@ -873,7 +883,7 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                       DM, UPCAST, USE_TMA, True)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                     off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
-                    EPI_SPLIT, 0, BM // DM, True, code)
+                    EPI_SPLIT, 0, BM // DM, True, code, EVICT_LAST=True)
     else:
         for r0 in range(0, vm, WIDE):
             # its own name: Triton's if needs a value of one shape in both branches
@@ -881,7 +891,7 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
                             BK, WIDE, UPCAST, USE_TMA, True)
             l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
-                        EPI_SPLIT, r0 // WIDE, BM // WIDE)
+                        EPI_SPLIT, r0 // WIDE, BM // WIDE, EVICT_LAST=True)
     if SIGNAL_ROWS:
         signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K, BM,
                           DONE_SCOPE)
@@ -912,7 +922,7 @@ def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, poo
                                 DM, BN)
             l2_epilogue(total, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
                         off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
-                        EPI_SPLIT, 0, BM // DM)
+                        EPI_SPLIT, 0, BM // DM, EVICT_LAST=True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
             if SIGNAL_ROWS:
                 signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag,
@@ -962,10 +972,12 @@ def l2_rows(mb, r0, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM: tl.constexpr,
 
 @triton.jit
 def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
-                    FIX_ROUNDING: tl.constexpr):
+                    FIX_ROUNDING: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     """fp32 ``tile`` [BM, W] -> bf16 columns col0 .. col0+W-1 of the combine slots ``tk``
     (token * K + k) on ranks ``src``, rows where ``rv``. One masked store per source rank,
-    from one 64-bit address per row (not per value)."""
+    from one 64-bit address per row (not per value). EVICT_LAST: at ``DECODE_SLOT_EVICT``
+    priority in the L2 cache."""
+    POLICY: tl.constexpr = DECODE_SLOT_EVICT if EVICT_LAST else ""
     out = to_bf16(tile, FIX_ROUNDING)
     cols = col0 + tl.arange(0, tile.shape[1])[None, :]
     # R constexpr (l2_kernel, fused_kernel): unrolled, so a flat (tile, k) loop around the
@@ -976,7 +988,8 @@ def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
         # peer_ptr said the region was aligned; this form compiled ~10 instructions shorter
         # per flat L2 trip than the offsets from the region's start)
         slot_rows = tl.multiple_of(peer_ptr(table, s, off_combine_y, tl.bfloat16) + tk * H, [16])
-        tl.store(slot_rows[:, None] + cols, out, mask=(rv & (src == s))[:, None])
+        tl.store(slot_rows[:, None] + cols, out, mask=(rv & (src == s))[:, None],
+                 eviction_policy=POLICY)
 
 
 @triton.jit
@@ -993,14 +1006,16 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
                 SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
-                SPLIT_M: tl.constexpr = 1, PRE: tl.constexpr = False, pre_code=0):
+                SPLIT_M: tl.constexpr = 1, PRE: tl.constexpr = False, pre_code=0,
+                EVICT_LAST: tl.constexpr = False):
     """An L2 block's fp32 tile ``acc`` [BM / SPLIT_M, BN] (row piece ``sub`` of m_block,
     columns of n_block) into its tokens' combine slots as bf16; with SIGNAL_ROWS, the block
     that completes an m-block (of NB column blocks) releases its rows' combine flags (without:
     the caller signals; SPLIT_M > 1 needs that). vm: valid rows of the whole m-block.
     EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers).
     PRE: ``pre_code`` holds the rows' ``slot_codes``, loaded by the caller before its K loop
-    (no dependent load between the last MMA and the first store)."""
+    (no dependent load between the last MMA and the first store). EVICT_LAST (decode pieces):
+    the slots stored at ``DECODE_SLOT_EVICT`` priority in the L2 cache."""
     tl.static_assert(SPLIT_M == 1 or not SIGNAL_ROWS, "row pieces need the caller to signal")
     BMT: tl.constexpr = BM // SPLIT_M
     code, rv = slot_codes(pool_src, mb, vm, sub, BM, BMT)
@@ -1015,17 +1030,23 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
         q00, q10 = tl.split(b0)
         q01, q11 = tl.split(b1)
         c0 = nb * BN
-        store_slot_rows(q00, tk, src, rv, c0, table, off_combine_y, H, R, FIX_ROUNDING)
-        store_slot_rows(q01, tk, src, rv, c0 + W, table, off_combine_y, H, R, FIX_ROUNDING)
-        store_slot_rows(q10, tk, src, rv, c0 + 2 * W, table, off_combine_y, H, R, FIX_ROUNDING)
-        store_slot_rows(q11, tk, src, rv, c0 + 3 * W, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(q00, tk, src, rv, c0, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
+        store_slot_rows(q01, tk, src, rv, c0 + W, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
+        store_slot_rows(q10, tk, src, rv, c0 + 2 * W, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
+        store_slot_rows(q11, tk, src, rv, c0 + 3 * W, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
     elif EPI_SPLIT == 2:   # two column halves: half the registers for offsets and values
         lo, hi = tl.split(tl.permute(tl.reshape(acc, [BMT, 2, BN // 2]), (0, 2, 1)))
-        store_slot_rows(lo, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(lo, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
         store_slot_rows(hi, tk, src, rv, nb * BN + BN // 2, table, off_combine_y, H, R,
-                        FIX_ROUNDING)
+                        FIX_ROUNDING, EVICT_LAST)
     else:
-        store_slot_rows(acc, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING)
+        store_slot_rows(acc, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING,
+                        EVICT_LAST)
     if SIGNAL_ROWS:
         release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag, DONE_SCOPE)
 
