@@ -14,7 +14,7 @@ local-memory spill operations per trip; the K loops of the GEMMs) and ``sass_has
 of the instruction text with addresses and kernel-parameter offsets left out: two revisions
 whose kernels have equal hashes compile to the same machine code (compile the other revision
 in a ``git worktree`` and compare; a new kernel parameter alone does not change the hash),
-and ``hinted_stores``, its global stores with an L2 cache policy (the decode L2's slots).
+and ``hinted_stores``, its global stores with an L2 cache policy (decode pieces' outputs).
 
 Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/_common.py).
 """
@@ -159,7 +159,7 @@ _NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?
 
 
 # global stores with an L2 cache policy (``tl.store(..., eviction_policy=...)``: PTX's
-# createpolicy operand): the decode L2's combine-slot stores (kernels/gemm.DECODE_SLOT_EVICT)
+# createpolicy operand): decode pieces' stores (kernels/gemm.DECODE_STORE_EVICT)
 _HINTED_STORE = re.compile(r"\bst\.global\S*\.L2::cache_hint\b")
 
 

@@ -181,17 +181,21 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
                                warps=row["num_warps"]) == fit, row
 
 
-def test_only_decode_l2_pieces_store_slots_with_a_cache_policy(compiled_rows):
-    # kernels/gemm.DECODE_SLOT_EVICT: the L2's decode pieces (bf16 and fp8, staged and fused,
-    # split-K or not) store their combine slots at L2 evict_last priority; whole tiles and tail
-    # pieces (whose slots can be all of combine_y), fp4w's 16-row pieces and every other
-    # kernel store at normal priority
-    def decode_l2(row):
+def test_only_decode_pieces_store_with_a_cache_policy(compiled_rows):
+    # kernels/gemm.DECODE_STORE_EVICT: decode pieces store what the next launch reads at L2
+    # evict_last priority: the L2's combine slots (bf16 and fp8, staged and fused, split-K or
+    # not) and the bf16 L1's pool_act rows. Whole tiles and tail pieces (whose stores can
+    # be all of combine_y, a block per expert of pool_act), the fp8 and fp4w L1 epilogues,
+    # fp4w's 16-row L2 pieces and every other kernel store at normal priority
+    def hinted(row):
         words = label(row).split()
-        return (row["name"] in ("l2_kernel", "fused_kernel") and "decode" in words
-                and "fp4w" not in words)
-    want = sorted(r["kernel"] for r in compiled_rows if decode_l2(r))
-    assert len(want) >= 8, want   # decode, host, fp8 (split, ptr), fused (bf16, host, fp8)
+        if "decode" not in words or "fp4w" in words:
+            return False
+        return row["name"] in ("l2_kernel", "fused_kernel") or (
+            row["name"] == "l1_kernel" and "fp8" not in words)
+    want = sorted(r["kernel"] for r in compiled_rows if hinted(r))
+    # L2: decode, host, fp8 (host, split, ptr); L1: decode, host; fused: bf16, host, fp8
+    assert len(want) >= 10, want
     assert sorted(r["kernel"] for r in compiled_rows if r["hinted_stores"]) == want
 
 

@@ -39,15 +39,19 @@ from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_acc, l1_fp8_block, l1_fp8_decode_block,
                        l1_fp8_epilogue, l2_fp8_acc, l2_fp8_rows)
 
-# The L2-cache priority of a decode piece's combine-slot stores (``l2_epilogue``'s EVICT_LAST):
-# a decode call's slots are few and the combine reads them next. Stored at normal priority,
-# they were written back to HBM while the weights streamed through the cache, which the
-# weight reads paid for (session 31, GEMM bench at 16 rows per expert: qwen3 L2 30.0 ->
-# 28.5 µs, dsv3 220 -> 212; launch_floor's MMA walk without stores 28.1-28.3 µs, with them
-# 29.4-29.6, with them at this priority 28.0-28.1). Whole tiles and tail pieces (larger
-# calls, up to all of combine_y) keep the normal priority. Triton's descriptor loads take no
-# cache hint, so the weights cannot be marked the other way.
-DECODE_SLOT_EVICT = tl.constexpr("evict_last")
+# The L2-cache priority of what decode pieces store for the next launch: the bf16 L1's
+# pool_act rows (``l1_store``'s EVICT_LAST; the L2 reads each row once per column block) and
+# the L2's combine slots (``l2_epilogue``'s EVICT_LAST; the combine reads them). They are few,
+# and stored at normal priority they were written back to HBM while the weights streamed
+# through the cache, which the weight reads paid for. Session 31, one H200, GEMM bench at 16
+# rows per expert, ABBA: the slots qwen3 L2 30.7 -> 29.0 µs, fp8 18.1 -> 17.5, dsv3 225.7 ->
+# 217.3, fp8 123.5 -> 116.0; then pool_act qwen3 L1 54.2 -> 52.7, dsv3 424.3 -> 426.8 (the
+# one loss), the layer at 1-128 tokens 0-1.3 % faster. launch_floor's MMA walk: 28.1-28.3 µs
+# without stores, 29.4-29.6 with them, 28.0-28.1 with them at this priority. Whole tiles and
+# tail pieces (larger calls: up to all of combine_y, a block per expert of pool_act) keep
+# the normal priority. Triton's descriptor loads take no cache hint, so the weights cannot
+# be marked the other way.
+DECODE_STORE_EVICT = tl.constexpr("evict_last")
 
 
 @triton.jit
@@ -251,7 +255,7 @@ def count_l1_done(l1_done, mb, SIGNAL: tl.constexpr):
 def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, I,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, SWAP: tl.constexpr,
-            ONE_DOT: tl.constexpr = False):
+            ONE_DOT: tl.constexpr = False, EVICT_LAST: tl.constexpr = False):
     """Rows r0 .. r0+ROWS-1 of an L1 block: gate and up GEMMs, SwiGLU x weight, stored into
     pool_act (rows past valid_m are not). SWAP (decode pieces): computed as [BN, ROWS] =
     weight tiles @ rows^T, the weights as the MMA's row operand, and stored transposed.
@@ -278,7 +282,7 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
         acc_g, acc_u = l1_acc(mb, r0, nb, e, pool_x, w13, a_desc, w_desc, H, I, BM, BN, BK,
                               ROWS, UPCAST, USE_TMA, SWAP)
     l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM, BN, ROWS, UPCAST, SWAP,
-             SWAP, w_row)
+             SWAP, w_row, EVICT_LAST)
 
 
 @triton.jit
@@ -336,10 +340,12 @@ def row_weights(pool_w, mb, r0, vm, BM: tl.constexpr, ROWS: tl.constexpr):
 @triton.jit
 def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr,
              BN: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr,
-             PRE: tl.constexpr = False, pre_w=0):
+             PRE: tl.constexpr = False, pre_w=0, EVICT_LAST: tl.constexpr = False):
     """The epilogue of ``l1_rows``: SwiGLU x the rows' top-k weights into pool_act (``vm``
     valid rows in the m-block). PRE: ``pre_w`` holds the ``row_weights``, loaded by the
-    caller before its K loop."""
+    caller before its K loop. EVICT_LAST (decode pieces, SWAP): the rows stored at
+    ``DECODE_STORE_EVICT`` priority in the L2 cache."""
+    POLICY: tl.constexpr = DECODE_STORE_EVICT if EVICT_LAST else ""
     n = nb * BN + tl.arange(0, BN)
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     rv = r0 + tl.arange(0, ROWS) < vm
@@ -349,7 +355,7 @@ def l1_store(acc_g, acc_u, mb, r0, nb, vm, pool_w, pool_act, I, BM: tl.constexpr
     if SWAP:
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[None, :]      # [BN, ROWS]
         tl.store(pool_act + rows[None, :] * I + n[:, None], to_bf16(act, UPCAST),
-                 mask=rv[None, :])
+                 mask=rv[None, :], eviction_policy=POLICY)
     else:
         act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
         tl.store(pool_act + rows[:, None] * I + n[None, :], to_bf16(act, UPCAST),
@@ -457,7 +463,7 @@ def l1_split_part(tile, part, S, mb, nb, meta, l1_done, pool_x, pool_w, pool_act
         if store_l1_part(acc_g, acc_u, tile, part, S, sums, counts, BN, DM):
             sum_g, sum_u = l1_part_totals(sums, tile, S, BN, DM)
             l1_store(sum_g, sum_u, mb, 0, nb, vm, pool_w, pool_act, I, BM, BN, DM, UPCAST,
-                     True)
+                     True, EVICT_LAST=True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
             count_l1_done(l1_done, mb, SIGNAL)
     elif part == 0:
@@ -479,17 +485,18 @@ def l1_decode_block(mb, nb, meta, l1_done, pool_x, pool_w, pool_act, w13, a_desc
     TAIL (tail pieces): a fuller block runs as the usual BM-row tile instead (``a_desc[1]``
     has BM-row tiles then)."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
+    HINT: tl.constexpr = not TAIL   # decode pieces, not tail pieces: DECODE_STORE_EVICT
     vm = meta & 511
     if vm <= DM:
         l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[0], w_desc, H, I, BM,
-                BN, BK, DM, UPCAST, USE_TMA, True)
+                BN, BK, DM, UPCAST, USE_TMA, True, EVICT_LAST=HINT)
     elif TAIL:
         l1_rows(mb, 0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I, BM,
                 BN, BK, BM, UPCAST, USE_TMA, False)
     else:
         for r0 in range(0, vm, WIDE):
             l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc[1], w_desc, H, I,
-                    BM, BN, BK, WIDE, UPCAST, USE_TMA, True)
+                    BM, BN, BK, WIDE, UPCAST, USE_TMA, True, EVICT_LAST=True)
     count_l1_done(l1_done, mb, SIGNAL)
 
 
@@ -975,9 +982,9 @@ def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
                     FIX_ROUNDING: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     """fp32 ``tile`` [BM, W] -> bf16 columns col0 .. col0+W-1 of the combine slots ``tk``
     (token * K + k) on ranks ``src``, rows where ``rv``. One masked store per source rank,
-    from one 64-bit address per row (not per value). EVICT_LAST: at ``DECODE_SLOT_EVICT``
+    from one 64-bit address per row (not per value). EVICT_LAST: at ``DECODE_STORE_EVICT``
     priority in the L2 cache."""
-    POLICY: tl.constexpr = DECODE_SLOT_EVICT if EVICT_LAST else ""
+    POLICY: tl.constexpr = DECODE_STORE_EVICT if EVICT_LAST else ""
     out = to_bf16(tile, FIX_ROUNDING)
     cols = col0 + tl.arange(0, tile.shape[1])[None, :]
     # R constexpr (l2_kernel, fused_kernel): unrolled, so a flat (tile, k) loop around the
@@ -1015,7 +1022,7 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
     EPI_SPLIT 2 / 4: stored as two column halves / four quarters (fewer live registers).
     PRE: ``pre_code`` holds the rows' ``slot_codes``, loaded by the caller before its K loop
     (no dependent load between the last MMA and the first store). EVICT_LAST (decode pieces):
-    the slots stored at ``DECODE_SLOT_EVICT`` priority in the L2 cache."""
+    the slots stored at ``DECODE_STORE_EVICT`` priority in the L2 cache."""
     tl.static_assert(SPLIT_M == 1 or not SIGNAL_ROWS, "row pieces need the caller to signal")
     BMT: tl.constexpr = BM // SPLIT_M
     code, rv = slot_codes(pool_src, mb, vm, sub, BM, BMT)
