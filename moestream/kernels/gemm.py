@@ -261,7 +261,8 @@ def l1_rows(mb, r0, nb, meta, pool_x, pool_w, pool_act, w13, a_desc, w_desc, H, 
     weight tiles @ rows^T, the weights as the MMA's row operand, and stored transposed.
     USE_TMA: ``a_desc`` has ROWS-row tiles. ONE_DOT (descriptors, not SWAP): gate and up as
     one [ROWS, 2 * BN] MMA per K step, their rows loaded as one [2, BN, BK] tile
-    (``l1_descriptors``), then split."""
+    (``l1_descriptors``), then split. EVICT_LAST (decode pieces, with SWAP): as
+    ``l1_store``'s."""
     tl.static_assert(not ONE_DOT or (USE_TMA and not SWAP), "one dot: descriptors, no swap")
     e = meta >> 9
     vm = meta & 511
