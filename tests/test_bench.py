@@ -679,9 +679,9 @@ def test_launch_floor_dry_run(tmp_path, capsys) -> None:
 def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
     # session 28's forms of the L2's tile read (four programs per SM, K-block-major boxes,
     # pointer loads), each summed and checked against torch's sum by the script, and the
-    # decode L2's MMA alone and with its stores (values checked on GPUs only: the
-    # interpreter's tl.dot of descriptor-loaded bf16 tiles is wrong); an fp8 GEMM variant,
-    # whose weight bytes are its e4m3 values
+    # decode L2's MMA alone and with its stores, normal and evict_last (session 31; values
+    # checked on GPUs only: the interpreter's tl.dot of descriptor-loaded bf16 tiles is
+    # wrong); an fp8 GEMM variant, whose weight bytes are its e4m3 values
     mod = _script("launch_floor")
     out = tmp_path / "rows.jsonl"
     forms = "read-tiles-4sm,read-tiles-kb,read-tiles-ptr"
@@ -692,7 +692,8 @@ def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
     timed = [(r["variant"], r["blocks"]) for r in rows if not r.get("fit") and r["kernel"] == "l2"
              and r["variant"] != "read"]
     assert timed == [(f, b) for f in forms.split(",") + ["mma-tiles", "mma-tiles-store",
-                                                          "fp8-dec16"] for b in (1, 2)]
+                                                          "mma-tiles-store-el", "fp8-dec16"]
+                     for b in (1, 2)]
     assert [r["weight_bytes"] for r in rows if r["variant"] == "fp8-dec16"
             and r["kernel"] in ("l1", "l2") and not r.get("fit")] == [
         2 * 128 * 256, 2 * 2 * 128 * 256, 256 * 128, 2 * 256 * 128]
