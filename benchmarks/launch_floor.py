@@ -333,11 +333,11 @@ def main(argv=None) -> int:
             p.error(f"{name}: bf16 and fp8 variants only")
         cfg = MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K, block_m=v.block_m,
                         max_tokens_per_rank=E * M // K, dtype=v.dtype)
-        buf, _, _ = _prepare(cfg, 1, M, v, dev, gen)
+        buf, _, _, prepared = _prepare(cfg, 1, M, v, dev, gen)
         count = buf.view("block_start", 0)[E:E + 1]
         full = int(count.item())
         assert full == E, (full, E)   # one m-block per expert
-        tuning = replace(v.tuning, wait=False)
+        tuning = replace(prepared, wait=False)
         if v.dtype == "fp8":   # e4m3 weights and their 128x128 block scales (bytes: values)
             if w8 is None:
                 w8 = quantize_weights([w13], [w2])

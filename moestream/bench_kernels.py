@@ -26,12 +26,22 @@ __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A GEMM configuration: the pool's block_m plus the launch tuning (and the format)."""
+    """A GEMM configuration: the pool's block_m plus the launch tuning (and the format).
+    ``tuning`` None: what the staged layer picks for each call (``tuning_for``)."""
 
     name: str
     block_m: int
-    tuning: stages.Tuning
+    tuning: stages.Tuning | None
     dtype: str = "bf16"
+
+    def tuning_for(self, buf: SymmBuffer, tokens: int) -> stages.Tuning:
+        """The tuning timed on ``buf`` for a call of ``tokens`` tokens per rank: the
+        variant's own, or (``tuning`` None) ``stages.Tuning.for_call``'s for that call with
+        the descriptors built on the host, as the layer's CUDA graphs run it (decode pieces
+        at 16 rows per expert, the L1's gate and up as one MMA from 256)."""
+        if self.tuning is not None:
+            return self.tuning
+        return replace(stages.Tuning.for_call(buf, tokens), host_descriptors=True)
 
 
 def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
@@ -68,6 +78,8 @@ def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
 
 
 VARIANTS: dict[str, GemmVariant] = _by_name([
+    # what the staged layer runs for the call (Tuning.for_call): the kernel issue's table
+    GemmVariant("layer-call", 128, None),
     GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper: L2 128x256 8w4s, flat, 1/4
     GemmVariant("l2n128", 128, _BF16_S20),   # the default of sessions 5-20: L2 128x128 4w3s
     # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
@@ -241,22 +253,23 @@ def picks_per_token(*, experts: int, rows_per_expert: int, ranks: int, top_k: in
 
 def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
     """Buffer with every virtual rank's pool filled by the dispatch kernel: M tokens for each
-    of its E/R experts (sources spread over all ranks)."""
+    of its E/R experts (sources spread over all ranks); also the variant's tuning for it."""
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     e_loc = cfg.experts_per_rank(R)
     # every rank sends to every rank's experts: T*K picks per rank, E*M/R per rank in all
     T = cfg.num_experts * M // (R * cfg.top_k)
+    tuning = variant.tuning_for(buf, T)
     xs = [make_tokens(T, cfg.hidden, generator=gen, device=device) for _ in range(R)]
     idxs = [uniform_routing(T, cfg.num_experts, cfg.top_k, device=device) for _ in range(R)]
     ws = [torch.rand(T, cfg.top_k, generator=gen).to(device) for _ in range(R)]
     for lr in range(R):
-        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=variant.tuning)
+        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=tuning)
     stages.layout(buf)
-    stages.dispatch(buf, tuning=variant.tuning)
+    stages.dispatch(buf, tuning=tuning)
     counts = buf.view("expert_count", 0)
     assert int(counts.min()) == int(counts.max()) == M, counts
     assert e_loc * M == T * cfg.top_k
-    return buf, xs, idxs
+    return buf, xs, idxs, tuning
 
 
 def _row(shape, R, M, E, provider, kernel, t, flops, byts, dtype="bf16", **extra) -> dict:
@@ -379,14 +392,14 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
         for name in names:
             v = VARIANTS[name]
             cfg = replace(weights_cfg, block_m=v.block_m, dtype=v.dtype)
-            buf, xs, idxs = _prepare(cfg, R, M, v, device, gen)
+            buf, xs, idxs, tuning = _prepare(cfg, R, M, v, device, gen)
             if v.dtype == "fp8":
                 if w8 is None:
                     w8 = quantize_weights(w13s, w2s)
-                l1 = time_cuda(lambda: stages.l1(buf, w8[0], tuning=v.tuning), warmup=warmup,
+                l1 = time_cuda(lambda: stages.l1(buf, w8[0], tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
                 err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
-                l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=v.tuning), warmup=warmup,
+                l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
                 err2 = l2_error(buf, cfg, w8[1][0])
                 for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
@@ -404,10 +417,10 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                 pool = buf.view("pool_x", d)
                 packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
                                          for e in range(experts_per_rank)]))
-            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=v.tuning), warmup=warmup, reps=reps,
+            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=tuning), warmup=warmup, reps=reps,
                            queue_ahead=True)
             err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
-            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=v.tuning), warmup=warmup, reps=reps,
+            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=tuning), warmup=warmup, reps=reps,
                            queue_ahead=True)
             err2 = l2_error(buf, cfg, w2s[0])
             for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):

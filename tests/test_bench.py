@@ -523,13 +523,44 @@ def test_every_gemm_variant_is_a_valid_tuning(shape):
     # the GEMM bench's variants (moestream.bench_kernels) run only on a GPU; their tunings are
     # checked here against the shapes they are run at, so a variant that a later change makes
     # invalid (a field renamed, a rule tightened) fails on the CPU, not in a device session
+    # (a variant without a tuning of its own takes the layer's for each call: test below)
     from moestream.bench_kernels import VARIANTS
     for name, v in VARIANTS.items():
+        if v.tuning is None:
+            continue
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64).with_(block_m=v.block_m,
                                                                          dtype=v.dtype)
         v.tuning.check(cfg)
         assert cfg.intermediate % v.tuning.l1_tile(cfg)[0] == 0, name
         assert cfg.hidden % v.tuning.l2_tile(cfg)[0] == 0, name
+
+
+def test_layer_call_variant_times_what_the_layer_picks(monkeypatch) -> None:
+    # "layer-call" (the kernel issue's table) times Tuning.for_call's pick for the bench's
+    # call with host descriptors (the layer's graphs), not a fixed tuning: at 2048 rows per
+    # expert that is the one-MMA L1 (one_dot_for), which "layer-default" is not. for_call is
+    # stood in for (it needs a GPU's SM count to pick anything); the tokens passed are the
+    # call's, and a fixed variant ignores both
+    from moestream import stages
+    from moestream.bench_kernels import VARIANTS
+    from moestream.buffer import SymmBuffer
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=64)
+    buf = SymmBuffer(cfg, num_ranks=1, device="cpu")
+    seen = []
+
+    def for_call(buffer, tokens, **kw):
+        seen.append((buffer, tokens))
+        return stages.Tuning(l1_one_dot=tokens >= 100)
+    monkeypatch.setattr(stages.Tuning, "for_call", staticmethod(for_call))
+    try:
+        got = VARIANTS["layer-call"].tuning_for(buf, 128)
+        assert seen == [(buf, 128)]
+        assert got == stages.Tuning(l1_one_dot=True, host_descriptors=True)
+        assert not VARIANTS["layer-call"].tuning_for(buf, 8).l1_one_dot
+        fixed = VARIANTS["layer-default"]
+        assert fixed.tuning_for(buf, 128) is fixed.tuning and len(seen) == 2
+    finally:
+        buf.destroy()
 
 
 def test_ncu_summary_reads_a_report(tmp_path) -> None:
