@@ -159,7 +159,7 @@ _NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?
 
 
 # global stores with an L2 cache policy (``tl.store(..., eviction_policy=...)``: PTX's
-# createpolicy operand): decode pieces' stores (kernels/gemm.DECODE_STORE_EVICT)
+# createpolicy operand): decode pieces' stores (kernels/_common.DECODE_STORE_EVICT)
 _HINTED_STORE = re.compile(r"\bst\.global\S*\.L2::cache_hint\b")
 
 

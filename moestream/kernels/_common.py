@@ -48,7 +48,24 @@ if INTERPRET:
 __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
            "peer_ptrs", "aligned_ptr_from", "at", "rank_base",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
-           "PHASE_CODES", "next_pow2"]
+           "PHASE_CODES", "next_pow2", "DECODE_STORE_EVICT"]
+
+# The L2-cache priority of what decode pieces store for the next launch: the L1's pool_act
+# rows (bf16: kernels/gemm.py ``l1_store``'s EVICT_LAST; fp8 values and scales: kernels/
+# gemm_fp8.py ``l1_fp8_epilogue``'s; the L2 reads each row once per column block) and the
+# L2's combine slots (``l2_epilogue``'s EVICT_LAST; the combine reads them). They are few,
+# and stored at normal priority they were written back to HBM while the weights streamed
+# through the cache, which the weight reads paid for. Session 31, one H200, GEMM bench at 16
+# rows per expert, ABBA: the slots qwen3 L2 30.7 -> 29.0 µs, fp8 18.1 -> 17.5, dsv3 225.7 ->
+# 217.3, fp8 123.5 -> 116.0; then pool_act qwen3 L1 54.2 -> 52.7, dsv3 424.3 -> 426.8 (the
+# one loss), the layer at 1-128 tokens 0-1.3 % faster; session 32, the fp8 L1's (ABBA, two
+# calls): dsv3 0.987-0.996 of before, qwen3 0.958-0.978 in three of four pairs (1.043 in the
+# other), the fp8 layer at 1-128 tokens 0.989-1.004 (one slow new run at dsv3 1 token
+# staged: 1.042). launch_floor's MMA walk: 28.1-28.3 µs without stores, 29.4-29.6 with
+# them, 28.0-28.1 with them at this priority. Whole tiles and tail pieces (larger calls: up
+# to all of combine_y, a block per expert of pool_act) keep the normal priority. Triton's descriptor loads take no cache hint, so the weights cannot
+# be marked the other way.
+DECODE_STORE_EVICT = tl.constexpr("evict_last")
 
 # diag "phase" codes written by a kernel that gave up waiting
 PHASE_CODES = {1: "layout: peer ready flag", 2: "L1: pool block arrival count",

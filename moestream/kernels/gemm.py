@@ -33,25 +33,12 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import (aligned_ptr_from, at, launch_context, pdl_enter, peer_ptr,
-                      peer_ptrs, rank_base, tl, to_bf16, triton, wait_at_least, zero_acc)
+from ._common import (DECODE_STORE_EVICT, aligned_ptr_from, at, launch_context, pdl_enter,
+                      peer_ptr, peer_ptrs, rank_base, tl, to_bf16, triton, wait_at_least,
+                      zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
 from .gemm_fp8 import (fp8_descriptors, l1_fp8_acc, l1_fp8_block, l1_fp8_decode_block,
                        l1_fp8_epilogue, l2_fp8_acc, l2_fp8_rows)
-
-# The L2-cache priority of what decode pieces store for the next launch: the bf16 L1's
-# pool_act rows (``l1_store``'s EVICT_LAST; the L2 reads each row once per column block) and
-# the L2's combine slots (``l2_epilogue``'s EVICT_LAST; the combine reads them). They are few,
-# and stored at normal priority they were written back to HBM while the weights streamed
-# through the cache, which the weight reads paid for. Session 31, one H200, GEMM bench at 16
-# rows per expert, ABBA: the slots qwen3 L2 30.7 -> 29.0 µs, fp8 18.1 -> 17.5, dsv3 225.7 ->
-# 217.3, fp8 123.5 -> 116.0; then pool_act qwen3 L1 54.2 -> 52.7, dsv3 424.3 -> 426.8 (the
-# one loss), the layer at 1-128 tokens 0-1.3 % faster. launch_floor's MMA walk: 28.1-28.3 µs
-# without stores, 29.4-29.6 with them, 28.0-28.1 with them at this priority. Whole tiles and
-# tail pieces (larger calls: up to all of combine_y, a block per expert of pool_act) keep
-# the normal priority. Triton's descriptor loads take no cache hint, so the weights cannot
-# be marked the other way.
-DECODE_STORE_EVICT = tl.constexpr("evict_last")
 
 
 @triton.jit
@@ -596,7 +583,7 @@ def l1_fp8_split_part(tile, part, S, mb, nb, meta, table, rank, l1_done, off_poo
                             peer_ptr(table, rank, off_pool_weight, tl.float32),
                             peer_ptr(table, rank, off_pool_act, tl.float8e4nv),
                             peer_ptr(table, rank, off_pool_act + I, tl.float32), AB, AB // 4,
-                            BM, BN, FIX_ROUNDING)
+                            BM, BN, FIX_ROUNDING, 0, EVICT_LAST=True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
             count_l1_done(l1_done, mb, SIGNAL)
     elif part == 0:

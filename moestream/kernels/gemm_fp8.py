@@ -33,7 +33,7 @@ to the e4m3 value it must become; the cast then has nothing to round (as _common
 """
 from __future__ import annotations
 
-from ._common import tl, to_bf16, triton, zero_acc
+from ._common import DECODE_STORE_EVICT, tl, to_bf16, triton, zero_acc
 
 # quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.fp8
 # asserts they agree; kernels import nothing of ours but _common)
@@ -149,17 +149,19 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
 def l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                 X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, ROWS: tl.constexpr, a_desc, w_desc, USE_TMA: tl.constexpr,
-                FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr):
+                FIX_ROUNDING: tl.constexpr, SWAP: tl.constexpr,
+                EVICT_LAST: tl.constexpr = False):
     """Rows r0 .. r0+ROWS-1 of an fp8 L1 block (``l1_fp8_block``). SWAP (decode pieces): the
     weights as the MMA row operand ([BN, ROWS] accumulators, ``fp8_swap_step``), transposed
-    for the epilogue. USE_TMA: ``a_desc`` has ROWS-row tiles."""
+    for the epilogue. USE_TMA: ``a_desc`` has ROWS-row tiles. EVICT_LAST: the epilogue's
+    stores at ``DECODE_STORE_EVICT`` priority (``l1_fp8_epilogue``)."""
     acc_g, acc_u = l1_fp8_acc(mb, r0, nb, e, x_q, x_scale, w13, w13_s, H, I, X_STRIDE,
                               XS_STRIDE, BM, BN, BK, ROWS, a_desc, w_desc, USE_TMA, SWAP)
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM, BN, FIX_ROUNDING, r0)
+                    BM, BN, FIX_ROUNDING, r0, EVICT_LAST)
 
 
 @triton.jit
@@ -225,10 +227,14 @@ def l1_fp8_acc(mb, r0, nb, e, x_q, x_scale, w13, w13_s, H, I, X_STRIDE, XS_STRID
 
 @triton.jit
 def l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE, AS_STRIDE,
-                    BM: tl.constexpr, BN: tl.constexpr, FIX_ROUNDING: tl.constexpr, r0=0):
+                    BM: tl.constexpr, BN: tl.constexpr, FIX_ROUNDING: tl.constexpr, r0=0,
+                    EVICT_LAST: tl.constexpr = False):
     """An L1 block's fp32 gate/up tiles [ROWS, BN] (rows r0 .. r0+ROWS-1 of m-block ``mb`` of
     BM rows; ROWS = BM unless a decode piece) -> silu(gate) * up * topk weight, quantized per
-    row per 128 columns into act_q / act_scale (rows past vm are not stored)."""
+    row per 128 columns into act_q / act_scale (rows past vm are not stored). EVICT_LAST
+    (decode pieces): both stores at ``DECODE_STORE_EVICT`` priority in the L2 cache, as the
+    bf16 L1's (kernels/gemm.py ``l1_store``)."""
+    POLICY: tl.constexpr = DECODE_STORE_EVICT if EVICT_LAST else ""
     ROWS: tl.constexpr = acc_g.shape[0]
     rows = mb.to(tl.int64) * BM + r0 + tl.arange(0, ROWS)
     n = nb * BN + tl.arange(0, BN)
@@ -236,10 +242,12 @@ def l1_fp8_epilogue(acc_g, acc_u, mb, nb, vm, pool_w, act_q, act_scale, A_STRIDE
     w_row = tl.load(pool_w + rows, mask=rv, other=0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u * w_row[:, None]
     q, scale = quant_rows_128(act, FIX_ROUNDING)
-    tl.store(act_q + rows[:, None] * A_STRIDE + n[None, :], q, mask=rv[:, None])
+    tl.store(act_q + rows[:, None] * A_STRIDE + n[None, :], q, mask=rv[:, None],
+             eviction_policy=POLICY)
     G: tl.constexpr = BN // 128
     groups = nb * G + tl.arange(0, G)
-    tl.store(act_scale + rows[:, None] * AS_STRIDE + groups[None, :], scale, mask=rv[:, None])
+    tl.store(act_scale + rows[:, None] * AS_STRIDE + groups[None, :], scale, mask=rv[:, None],
+             eviction_policy=POLICY)
 
 
 @triton.jit
@@ -379,10 +387,11 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
     [E * 2I, H] (kernels/gemm.py's ``decode_descriptors``).
     TAIL (tail pieces): a fuller block runs as ``l1_fp8_block`` (pointer loads) instead."""
     WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
+    HINT: tl.constexpr = not TAIL   # decode pieces, not tail pieces: DECODE_STORE_EVICT
     if vm <= DM:
         l1_fp8_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                     X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, DM, a_desc[0], w_desc,
-                    USE_TMA, FIX_ROUNDING, True)
+                    USE_TMA, FIX_ROUNDING, True, HINT)
     elif TAIL:
         l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                      X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, FIX_ROUNDING)
@@ -390,4 +399,4 @@ def l1_fp8_decode_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, 
         for r0 in range(0, vm, WIDE):
             l1_fp8_rows(mb, r0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale,
                         H, I, X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, WIDE,
-                        a_desc[1], w_desc, USE_TMA, FIX_ROUNDING, True)
+                        a_desc[1], w_desc, USE_TMA, FIX_ROUNDING, True, True)
