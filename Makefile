@@ -12,6 +12,8 @@ PY := $(VENV)/bin/python
 CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.2.6
 GPU_PY ?= python3
 RESULTS ?= benchmarks/results
+# the GEMM bench's variants (moestream.bench_kernels.VARIANTS); layer-call: what the layer runs
+GEMM_VARIANTS ?= layer-call
 
 .PHONY: install run test test-gpu bench bench-gemm check clean
 
@@ -49,7 +51,7 @@ bench:
 
 bench-gemm:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --virtual-ranks 1 --shapes dsv3,qwen3 \
-		--out $(RESULTS)/gemm_h200.jsonl
+		--variants $(GEMM_VARIANTS) --out $(RESULTS)/gemm_h200.jsonl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
