@@ -6,6 +6,8 @@
 #   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab);
 #   the floor step (benchmarks/launch_floor.py, FLOOR_SHAPE / FLOOR_VARIANTS / FLOOR_BLOCKS) then
 #   also runs the base's kernels, base first; FLOOR_FORMS: its read-tiles forms; FLOOR_ARGS: more (--mma-tiles)
+# GEMM_VARIANTS: the gemm step's variants (default layer-call, what the layer runs; all of
+#   moestream.bench_kernels.VARIANTS together take longer than one device command may)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
@@ -40,7 +42,7 @@ if has run; then
 fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.cli bench --virtual-ranks ${GEMM_R:-1} --shapes ${GEMM_SHAPES:-dsv3,qwen3} \
-    --tokens-per-expert ${GEMM_M:-16,128,512,2048} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
+    --tokens-per-expert ${GEMM_M:-16,128,512,2048} --variants ${GEMM_VARIANTS:-layer-call} \
     ${GEMM_EXPERTS:+--experts-per-rank $GEMM_EXPERTS} \
     --out "$OUT/gemm_h200.jsonl" 2>&1 | tee "$OUT/gemm.log" | tail -80
 fi
