@@ -188,6 +188,12 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
     # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
+    # session 32: the one-MMA L1 with 128-deep K steps in 2 stages (96 KB each; sm_90 at dsv3
+    # dims: 8 HGMMA in 105 instructions per K step against 4 in 80) or in 3 stages of 64
+    GemmVariant("l1-onedot-k128s2", 128, replace(_BF16, l1_one_dot=True, l1_block_k=128,
+                                                 l1_stages=2)),
+    GemmVariant("l1-onedot-s3", 128, replace(_BF16, l1_one_dot=True, l1_stages=3)),
+    GemmVariant("l1-s3", 128, replace(_BF16, l1_stages=3)),   # two MMAs, 3 stages
     # session 22: the tensor descriptors built in every program (the form before
     # Tuning.host_descriptors, and the eager layer's; two local ranks and the fused launch
     # still build them there)
