@@ -63,8 +63,8 @@ __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter"
 # other), the fp8 layer at 1-128 tokens 0.989-1.004 (one slow new run at dsv3 1 token
 # staged: 1.042). launch_floor's MMA walk: 28.1-28.3 µs without stores, 29.4-29.6 with
 # them, 28.0-28.1 with them at this priority. Whole tiles and tail pieces (larger calls: up
-# to all of combine_y, a block per expert of pool_act) keep the normal priority. Triton's descriptor loads take no cache hint, so the weights cannot
-# be marked the other way.
+# to all of combine_y, a block per expert of pool_act) keep the normal priority. Triton's
+# descriptor loads take no cache hint, so the weights cannot be marked the other way.
 DECODE_STORE_EVICT = tl.constexpr("evict_last")
 
 # diag "phase" codes written by a kernel that gave up waiting
