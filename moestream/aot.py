@@ -266,6 +266,9 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 stages.run_staged(*args, tuning=replace(narrow, use_tma=True))
                 label[0] = " one dot"   # the L1's gate and up as one MMA (large calls)
                 stages.run_staged(*args, tuning=replace(tuning, l1_one_dot=True))
+                label[0] = " one dot s3"   # ... in 3 stages, as for_call picks from hidden 4096
+                stages.run_staged(*args, tuning=replace(
+                    tuning, l1_one_dot=True, l1_one_dot_stages=stages.ONE_DOT_L1_STAGES))
                 label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
                 stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
                                                        fused_l2_lag=0))

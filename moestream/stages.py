@@ -105,6 +105,19 @@ def one_dot_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_
                                 num_experts=num_experts) >= 2 * block_m
 
 
+# The staged one-MMA L1 (``Tuning.l1_one_dot_stages``) runs ONE_DOT_L1_STAGES stages of 64-deep
+# K steps (147 KB of shared memory) instead of Tuning.hopper's 4 (197 KB) where hidden, its K,
+# is at least ONE_DOT_SHALLOW_MIN_HIDDEN. Session 32, one H200, world size 1, the layer
+# (staged-graph against --tuning l1_stages=3, one process in each order, µs): dsv3 8192
+# tokens (256 rows per expert) 13815 / 13737 -> 13412 / 13328, 16384 (512) 24704 / 24960 ->
+# 23520 / 22836; mixtral (hidden 4096) 2048 / 8192 tokens within the run order's 7-15 % (sums
+# 0.963 / 0.982 of before); qwen3 (hidden 2048) 1.2-1.9 % slower at 256 rows in four runs,
+# ~1 % faster at 512, so it keeps 4. The L1 alone was 2-5 % faster at 1024-2048 rows per
+# expert on both dsv3 and qwen3 dims (benchmarks/NOTES.md, session 32 items 5-6).
+ONE_DOT_L1_STAGES = 3
+ONE_DOT_SHALLOW_MIN_HIDDEN = 4096
+
+
 # The staged fp8 L2 computes whole 128-row tiles (8 warps) where the intermediate size (its K)
 # is at least this, else 64-row pieces (4 warps, two programs per SM). Session 21 on one H200,
 # the L2 alone, pieces -> tile, µs: dsv3 dims (I = 2048) 206 -> 185 / 677 -> 598 / 2640 -> 2324
@@ -226,6 +239,9 @@ class Tuning:
         pointer loads, and by the fused launch). ``for_call`` turns it on from 2 * block_m
         rows per expert (``one_dot_for``; session 19: the L1 alone 5-9 % faster at 512-2048
         rows per expert, 1-4 % slower at 128).
+    l1_one_dot_stages: pipeline depth of the staged L1 in that one-MMA form (None:
+        l1_stages). ``for_call`` sets ``ONE_DOT_L1_STAGES`` where hidden (the L1's K) is at
+        least ``ONE_DOT_SHALLOW_MIN_HIDDEN``.
     l2_epilogue_split: the staged L2 stores its tile into the combine slots in 1, 2 or 4
         column pieces (fewer live registers: the 128x128 4-warp L2 tile fits two programs per
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
@@ -395,6 +411,7 @@ class Tuning:
     l2_signal: str = "rank"
     l2_flat: bool = False
     l1_one_dot: bool = False
+    l1_one_dot_stages: int | None = None
     l2_epilogue_split: int = 1
     pdl: bool = False
     l2_split_m: int = 1
@@ -506,7 +523,10 @@ class Tuning:
             t = replace(t, l1_block_n=bn,
                         l1_one_dot=one_dot_for(tokens=tokens, ranks=buffer.num_ranks,
                                                top_k=cfg.top_k, num_experts=cfg.num_experts,
-                                               block_m=cfg.block_m))
+                                               block_m=cfg.block_m),
+                        l1_one_dot_stages=(ONE_DOT_L1_STAGES
+                                           if cfg.hidden >= ONE_DOT_SHALLOW_MIN_HIDDEN
+                                           else None))
         if cfg.dtype == "fp4w":   # its L1 is bound by the in-kernel decode, not by HBM:
             # grouped, mixtral 512 measured 4716 vs 4331 µs (session 14); a block costs a
             # piece per 64 valid rows, so claimed tickets balance the programs (session 25,
@@ -617,6 +637,10 @@ class Tuning:
         if self.host_descriptors is not None and type(self.host_descriptors) is not bool:
             raise ValueError(f"Tuning.host_descriptors must be None (while capturing a CUDA "
                              f"graph), True or False, got {self.host_descriptors!r}")
+        v = self.l1_one_dot_stages
+        if v is not None and (type(v) is not int or not 1 <= v <= 8):
+            raise ValueError(f"Tuning.l1_one_dot_stages must be None (l1_stages) or an int in "
+                             f"1..8, got {v!r}")
         for name in ("l2_flat", "l1_one_dot", "gemm_claim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
@@ -1078,7 +1102,9 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split,
               CLAIM=tuning.gemm_claim, HOST_BASE=host_base is not None, **host_kw,
-              **tuning.pdl_args(buffer), **_launch_kw(tuning.l1_warps, tuning.l1_stages))
+              **tuning.pdl_args(buffer),
+              **_launch_kw(tuning.l1_warps, (one_dot and tuning.l1_one_dot_stages)
+                           or tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
             buffer.local_ranks)
     _gemm.l1_kernel[grid](*args, **kw)

@@ -298,6 +298,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for name in ("l2_flat", "l1_one_dot"):
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             stages.Tuning(**{name: 1})
+    for bad in (0, 9, 3.0, True, "3"):
+        with pytest.raises(ValueError, match="l1_one_dot_stages must be None"):
+            stages.Tuning(l1_one_dot_stages=bad)
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="pdl must be a bool"):
             stages.Tuning(pdl=bad)
@@ -654,6 +657,30 @@ def test_one_dot_l1_from_two_m_blocks_per_expert():
     assert not on(2048, 256, 6) and on(8192, 256, 6)        # v4flash: 96 / 384 rows
     assert on(512, 8, 2) and not on(511, 8, 2)              # mixtral: the boundary at 256
     assert not on(0, 8, 2)                                  # an empty call
+
+
+@pytest.mark.parametrize("shape, stages_l1", [
+    ("dsv3", 3),      # hidden 7168: the layer at 256 / 512 rows per expert 3 / 5-8 % faster
+    ("mixtral", 3),   # hidden 4096 (the threshold)
+    ("qwen3", None),  # hidden 2048: 1.2-1.9 % slower at 256 rows, so l1_stages (4)
+])
+def test_one_dot_l1_runs_three_stages_where_hidden_is_long(shape, stages_l1):
+    # Tuning.for_call sets l1_one_dot_stages by the L1's K (hidden) in whole-tile calls (a
+    # decode call runs no one-MMA L1); the fused launch, which never runs that form, keeps
+    # its depth, and so does every other L1 form
+    from dataclasses import replace as dc_replace
+    for tokens in (2048, 8192):   # EP2: dsv3 128 / 512 rows per expert (one MMA off / on)
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens)
+        buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
+        buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
+        t = stages.Tuning.for_call(buf, tokens)
+        assert t.l1_one_dot_stages == stages_l1, tokens
+        depth = stages.Tuning.for_buffer(buf).l1_stages
+        assert t.l1_stages == depth, tokens   # the other L1 forms keep theirs
+        fused = stages.fused_tuning(buf, tokens)
+        assert (fused.fused_stages or fused.l1_stages) == depth, tokens
+        buf.destroy()
+    assert stages.ONE_DOT_SHALLOW_MIN_HIDDEN == 4096 and stages.ONE_DOT_L1_STAGES == 3
 
 
 def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,

@@ -286,6 +286,18 @@ def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows
         assert all(lp["local_ops"] == 0 for lp in r["loops"] if lp["mma"]), r["loops"]
 
 
+def test_one_dot_l1_launches_at_its_own_depth(compiled_rows):
+    # Tuning.l1_one_dot_stages reaches the one-MMA L1's launch (3 stages where for_call
+    # picks them, from hidden 4096): the same K loop of 256-wide HGMMAs in less shared memory
+    # than Tuning.hopper's 4 stages, no stack
+    rows = {label(r): r for r in compiled_rows
+            if r["name"] == "l1_kernel" and label(r) in ("one dot", "one dot s3")}
+    four, three = rows["one dot"], rows["one dot s3"]
+    assert (four["num_stages"], three["num_stages"]) == (4, 3), (four, three)
+    assert three["shared_bytes"] < four["shared_bytes"] <= SM90_SHARED_LIMIT
+    assert three["hgmma"] == four["hgmma"] > 0 and three["stack_bytes"] == 0, three
+
+
 def test_gemm_k_loops_do_not_spill(compiled_rows):
     # the innermost SASS loops with MMAs are the GEMMs' K loops (a flat L2's tile loop holds its
     # epilogue too): none of the staged or fused bf16 / fp8 GEMMs, in any launch form compiled
