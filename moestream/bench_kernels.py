@@ -190,6 +190,7 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
     # session 32: the one-MMA L1 with 128-deep K steps in 2 stages (96 KB each; sm_90 at dsv3
     # dims: 8 HGMMA in 105 instructions per K step against 4 in 80) or in 3 stages of 64
+    # (what Tuning.for_call launches from hidden 4096: stages.ONE_DOT_L1_STAGES)
     GemmVariant("l1-onedot-k128s2", 128, replace(_BF16, l1_one_dot=True, l1_block_k=128,
                                                  l1_stages=2)),
     GemmVariant("l1-onedot-s3", 128, replace(_BF16, l1_one_dot=True, l1_stages=3)),
