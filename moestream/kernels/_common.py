@@ -55,16 +55,10 @@ __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter"
 # gemm_fp8.py ``l1_fp8_epilogue``'s; the L2 reads each row once per column block) and the
 # L2's combine slots (``l2_epilogue``'s EVICT_LAST; the combine reads them). They are few,
 # and stored at normal priority they were written back to HBM while the weights streamed
-# through the cache, which the weight reads paid for. Session 31, one H200, GEMM bench at 16
-# rows per expert, ABBA: the slots qwen3 L2 30.7 -> 29.0 µs, fp8 18.1 -> 17.5, dsv3 225.7 ->
-# 217.3, fp8 123.5 -> 116.0; then pool_act qwen3 L1 54.2 -> 52.7, dsv3 424.3 -> 426.8 (the
-# one loss), the layer at 1-128 tokens 0-1.3 % faster; session 32, the fp8 L1's (ABBA, two
-# calls): dsv3 0.987-0.996 of before, qwen3 0.958-0.978 in three of four pairs (1.043 in the
-# other), the fp8 layer at 1-128 tokens 0.989-1.004 (one slow new run at dsv3 1 token
-# staged: 1.042). launch_floor's MMA walk: 28.1-28.3 µs without stores, 29.4-29.6 with
-# them, 28.0-28.1 with them at this priority. Whole tiles and tail pieces (larger calls: up
-# to all of combine_y, a block per expert of pool_act) keep the normal priority. Triton's
-# descriptor loads take no cache hint, so the weights cannot be marked the other way.
+# through the cache, which the weight reads paid for (see docs/tuning.md). Whole tiles and
+# tail pieces (larger calls: up to all of combine_y, a block per expert of pool_act) keep
+# the normal priority. Triton's descriptor loads take no cache hint, so the weights cannot
+# be marked the other way.
 DECODE_STORE_EVICT = tl.constexpr("evict_last")
 
 # diag "phase" codes written by a kernel that gave up waiting
@@ -127,8 +121,7 @@ def at(base, byte_offset, DTYPE: tl.constexpr):
     compiler is told is 16-byte aligned: every caller passes a region start
     (moestream.layout.ALIGN) plus a multiple of 16, and buffers start 16-byte aligned
     (``SymmBuffer`` asserts it). Without that an address made from an integer is only known
-    to be 1-byte aligned, and every row copy from it moved one value per instruction
-    (benchmarks/NOTES.md, session 20)."""
+    to be 1-byte aligned, and every row copy from it moved one value per instruction."""
     return tl.multiple_of((base + byte_offset).to(tl.pointer_type(DTYPE)), 16)
 
 
@@ -142,9 +135,9 @@ def rank_base(table, rank, host_base, HOST_BASE: tl.constexpr):
 
     Kernels take only the pointers on that path from it: an address from a kernel parameter
     lives in the SM's few uniform registers, and with every region pointer of the decode L1
-    there the compiler moved the TMA descriptors' addresses out of them, into 18 more
-    instructions per K step (sm_90 SASS, session 27). The whole-tile L1 does not take it at
-    all (``stages.l1``: 2-3 % slower with it, one H200, session 27)."""
+    there the compiler moved the TMA descriptors' addresses out of them, into more
+    instructions per K step (sm_90 SASS). The whole-tile L1 does not take it at all
+    (``stages.l1``: slower with it)."""
     if HOST_BASE:
         base = host_base.to(tl.int64)
     else:

@@ -7,9 +7,8 @@ Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERP
   ``inspect.getmembers``) when a kernel is launched, and again every time one ``@triton.jit``
   function calls another (``InterpretedFunction.__call__``). The launch's patch is still in
   place then, so the second one replaces nothing (a patched member is no longer a builtin)
-  but still walks the modules: ~1.8 ms per call, 30 030 calls and about half of the 115 s
-  that ``test_eight_virtual_ranks[fused-cpu]`` spent in the interpreter (cProfile, session
-  30). The wrapper skips a call made inside a launch whose language modules are all
+  but still walks the modules, which was about half of a layer test's interpreter time.
+  The wrapper skips a call made inside a launch whose language modules are all
   patched already; a module not yet patched (Triton's own ``tl.standard`` functions see
   ``tl.core``, which a kernel's patch of ``tl`` leaves alone) is patched as before.
 - ``skip_discarded_overflow_checks``: the integer overflow sanitizer, whose result the
@@ -17,8 +16,7 @@ Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERP
   ``enable_overflow_checks`` makes those checks real instead (slower; for hunting int32
   overflows in index arithmetic, which the GPU wraps silently).
 
-Both eight-virtual-rank layer tests: 64.5 s -> 36.7 s (the first) -> 25.5 s (both), one
-process. The kernels compute the same either way, and every interpreter test runs them.
+The kernels compute the same either way, and every interpreter test runs them.
 """
 from __future__ import annotations
 
@@ -95,8 +93,7 @@ def enable_overflow_checks() -> bool:
     """Make the interpreter's int32 overflow checks real (MOESTREAM_INTERPRET_CHECKS=1): the
     sanitizer on and ``debug`` on, so an int32 add, sub or mul of a kernel whose exact result
     leaves the int32 range raises instead of wrapping as it would on the GPU. About 1.5x the
-    interpreter time of a layer test; the whole suite passed this way in session 30. False
-    where this Triton has no interpreter options to set."""
+    interpreter time of a layer test. False where this Triton has no interpreter options to set."""
     builder, options = _builder_options()
     if options is None or not hasattr(options, "debug"):
         return False

@@ -39,7 +39,7 @@ def number_picks(topk_idx_TK, slot_TK, counts_E, N, e, E, BLOCK: tl.constexpr):
         m = i < N
         key = key_next
         # the next block's picks load while this one is numbered: the loop is a chain of
-        # N / BLOCK steps, each of which waited for its own load (session 13)
+        # N / BLOCK steps, each of which would otherwise wait for its own load
         key_next = tl.load(topk_idx_TK + i + BLOCK, mask=i + BLOCK < N, other=-1)
         hit = m & tl.where(mine, key == e, (key < 0) | (key >= E))
         c = tl.cumsum(hit.to(tl.int32), 0)
@@ -216,9 +216,8 @@ def layout_kernel(
     wave's L1 blocks (NB1 column blocks per m-block) reach WAVE_BLOCKS, as
     moestream.schedule.expert_waves.
 
-    Every step is a vector operation over the experts (a loop of per-expert reductions took
-    ~0.5 µs per local expert on H200: 34 µs per call at 64 experts, benchmarks/NOTES.md,
-    session 8): block_meta in BLOCK_J m-blocks of every expert at a time, the waves one
+    Every step is a vector operation over the experts (a loop of per-expert reductions costs
+    time per local expert): block_meta in BLOCK_J m-blocks of every expert at a time, the waves one
     search per wave.
 
     HOST_BASE (one local rank): this rank's buffer address is ``host_base`` (``rank_base``),
@@ -283,8 +282,8 @@ def layout_kernel(
 @triton.jit
 def _store_rows(pool_x, v, row64, mine, k, h, hm, H, K: tl.constexpr):
     """v [TT, BH] into the pool row of each of its tokens' picks (row64, mine [TT, K_PAD]).
-    A loop, not unrolled: unrolled over K the addresses of all K stores were live at once
-    (254 registers on sm_90, two 4-warp programs per SM); as a loop 128 (session 13)."""
+    A loop, not unrolled: unrolled over K the addresses of all K stores are live at once
+    (about twice the registers on sm_90, so fewer programs per SM)."""
     for kk in range(K):
         sel = k[None, :] == kk
         r_k = tl.sum(tl.where(sel, row64, 0), axis=1)

@@ -200,13 +200,12 @@ def fused_kernel(
         # the next ticket is claimed now, so that the counter's round trip overlaps this
         # ticket's work; a dispatch task claims it when it is done instead: otherwise a
         # program could hold two dispatch tasks and run them one after the other while the
-        # first L1 blocks wait for both (session 17: a fifth of the programs did, and the
-        # dispatch phase took twice a task's time)
+        # first L1 blocks wait for both (the dispatch phase would take twice a task's time)
         # In a launch whose L2 tiles are split (S2 > 1) a GEMM ticket claims in its branch:
         # an L1 ticket at once, an L2 part when it is done, for the dispatch tasks' reason:
         # the programs that finish their L1 tickets first would each hold two parts (the
         # current one and the next), run them one after the other, and leave the programs
-        # still in L1 with none (session 23: mixtral at 1 token, 64 tiles in 128 parts)
+        # still in L1 with none (e.g. mixtral at 1 token, 64 tiles in 128 parts)
         nxt = total
         claim_now = ticket >= D
         if SPLIT_K > 1:

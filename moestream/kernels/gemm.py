@@ -58,7 +58,7 @@ def grouped_tile(ticket, num_m, NB, GROUP_M: tl.constexpr):
 @triton.jit
 def l1_tile_of(ticket, num_m, NB, GROUP_M: tl.constexpr):
     """(m_block, n_block) of an L1 ticket: ``grouped_tile``, n fastest by plain division
-    when GROUP_M is 1 (the form the L1 had before grouping)."""
+    when GROUP_M is 1 (no grouping)."""
     if GROUP_M == 1:
         return ticket // NB, ticket % NB
     else:
@@ -81,8 +81,7 @@ def claiming(total, nprog, CLAIM: tl.constexpr):
     program. The first two are dealt round-robin (pid, pid + nprog: with programs placed in
     order, one second tile per SM before any SM gets two, where claimed by arrival both
     programs of an SM can take one), and a launch that claims nothing skips the final count
-    (session 26, one H200: qwen3 dims, 16 rows per expert, 32 experts, the decode L1 / L2
-    alone 58.6 / 33.7 µs claimed from the second ticket against 56.0 / 32.7 round-robin)."""
+    (claiming from the second ticket was slower for small decode calls)."""
     if CLAIM:
         on = total > 2 * nprog
     else:
@@ -120,8 +119,8 @@ def next_tickets(claims, ticket, nxt, nprog, on, CLAIM: tl.constexpr):
 @triton.jit
 def advance(ticket, nxt, after, nprog, CLAIM: tl.constexpr):
     """The end of a tile: (next ticket, the one after) from ``next_tickets``' pair; the
-    round-robin form adds nprog here, as it did before claims existed (sm_90: the same PTX
-    but for the order of two instructions)."""
+    round-robin form adds nprog here (sm_90: the same PTX as a loop without claims but for
+    the order of two instructions)."""
     if CLAIM:
         return nxt, after
     else:
@@ -232,7 +231,7 @@ def count_l1_done(l1_done, mb, SIGNAL: tl.constexpr):
     """Release-add 1 to m-block ``mb``'s ``l1_done`` once the block's rows are stored, for an
     L2 that waits on it. Without SIGNAL (the staged launches on GPUs, whose L2 runs after the
     L1 in stream order and waits for nothing) nothing is counted: the release is a fence that
-    holds the program until its stores are done (session 13)."""
+    holds the program until its stores are done."""
     if SIGNAL:
         tl.debug_barrier()  # all rows stored before the count is released
         tl.atomic_add(l1_done + mb, 1, sem="release", scope="gpu")
@@ -355,9 +354,8 @@ def split_count(tiles, nprog, SPLIT_K: tl.constexpr, MIN_S: tl.constexpr = 4):
     """Programs per tile of a split-K GEMM (``l1_split_part``, ``l2_split_part``): the
     largest power of two S <= SPLIT_K with tiles * S <= nprog, and 1 (no split) unless that
     is at least MIN_S, decided on the device from this call's m-block count. Two parts
-    measured slower than none where K is short (session 22: qwen3's L1, K = 2048, 8 blocks
-    of 12 tiles on 264 programs, 17.3-21.2 -> 19.1-21.3 µs), four or more faster; MIN_S 2 is
-    for long K loops (the fused launch's mixtral L2, K = 14336)."""
+    are slower than none where K is short (e.g. qwen3's L1, K = 2048), four or more faster;
+    MIN_S 2 is for long K loops (the fused launch's mixtral L2, K = 14336)."""
     s = tiles * 0 + 1
     if MIN_S <= 2 and SPLIT_K >= 2:
         s = tl.where(tiles * 2 <= nprog, 2, s)
@@ -785,7 +783,7 @@ def l1_kernel(
                 # this local rank's slots: [local ranks, programs, ...] (stages.l1)
                 sums = split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM)
                 # FP8 decides at compile time (``ok and FP8`` would compile the bf16 part into
-                # fp8 kernels too, which fails for pointer loads: session 29)
+                # fp8 kernels too, which fails for pointer loads)
                 if FP8:
                     if ok:
                         l1_fp8_split_part(tile, pid % S, S, mb, nb, meta_s, table, rank,
@@ -979,9 +977,8 @@ def store_slot_rows(tile, tk, src, rv, col0, table, off_combine_y, H, R,
     # caller has no third loop level for Triton's loop flattening to give up on
     for s in tl.static_range(R):
         # one address per slot row, 16-byte aligned (peer_ptr's region start, H a multiple
-        # of 128): the stores move 16 bytes per instruction (session 20: 2 bytes before
-        # peer_ptr said the region was aligned; this form compiled ~10 instructions shorter
-        # per flat L2 trip than the offsets from the region's start)
+        # of 128): the stores move 16 bytes per instruction; this form compiles shorter per
+        # flat L2 trip than offsets from the region's start
         slot_rows = tl.multiple_of(peer_ptr(table, s, off_combine_y, tl.bfloat16) + tk * H, [16])
         tl.store(slot_rows[:, None] + cols, out, mask=(rv & (src == s))[:, None],
                  eviction_policy=POLICY)

@@ -128,12 +128,11 @@ def mx_dot(a_ptrs, w_ptrs_packed, j: tl.constexpr):
     decoded register (four e4m3 bytes of one kind of nibble) then feeds the MMA as it is,
     where the natural order needs its bytes interleaved with the other kind's; the small
     activation tile is permuted the same way instead (a dot's sum does not depend on the
-    order of K, up to fp32 rounding). sm_90 SASS of the 16-row K loops: L1 1388 -> 1036
-    instructions per warp per step, L2 730 -> 620; on H200 the dsv3 L1 425 -> 338 µs, L2
-    173 -> 164 (benchmarks/NOTES.md, session 10). Loading the activations in that order by
-    pointer instead (a byte gather) was 1.4-2.1x slower: it cannot be copied asynchronously.
-    Warpgroup MMAs (pieces of 64 rows and more) keep the natural order: compiled for sm_90 the
-    permuted one spilled 64 B more in the 64-row L1 and was not measured."""
+    order of K, up to fp32 rounding). This cuts the 16-row K loops' instructions per step and
+    makes them faster (see docs/tuning.md). Loading the activations in that order by pointer
+    instead (a byte gather) is slower: it cannot be copied asynchronously. Warpgroup MMAs
+    (pieces of 64 rows and more) keep the natural order: compiled for sm_90 the permuted one
+    spills more in the 64-row L1."""
     a = tl.load(a_ptrs + j * MX_BLOCK)                                 # [BM, 32]
     BM: tl.constexpr = a.shape[0]
     p = tl.load(w_ptrs_packed + j * (MX_BLOCK // 2))                  # [BN, 16]

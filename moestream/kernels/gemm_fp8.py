@@ -72,8 +72,8 @@ def quant_rows_128(act, FIX_ROUNDING: tl.constexpr):
     An all-zero group (a masked or padding row: 7 of 8 rows of a publish tile at 1 token, 15
     of 16 rows of a decode piece) quantizes to its zeros with scale 2**-126 without dividing:
     both divisions see 1.0 / 1.0 there, because a zero or tiny operand sends the GPU's
-    correctly rounded division to its slow path (the fp8 publish took 87 µs at 1 token and 38
-    at 128 on dsv3 dims, benchmarks/NOTES.md, session 8). The results are unchanged."""
+    correctly rounded division to its slow path (which made the fp8 publish slower at 1
+    token than at 128). The results are unchanged."""
     BM: tl.constexpr = act.shape[0]
     BN: tl.constexpr = act.shape[1]
     G: tl.constexpr = BN // 128
@@ -96,7 +96,7 @@ def fp8_descriptors(x_q, rows, cols, row_stride, w, w_rows, BM: tl.constexpr, BN
     """Tensor descriptors (TMA) of a GEMM's e4m3 operands: A rows [rows, cols] with row stride
     ``row_stride`` bytes (the layer's byte rows: a multiple of 16, moestream.config), and the
     weights [w_rows, cols] (all experts' rows stacked). Tiles [BM, BK] and [BN, BK].
-    The staged L2 uses them (3-13 % faster than pointers at dsv3 dims, session 6)."""
+    The staged L2 uses them (faster than pointers at dsv3 dims)."""
     a_desc = tl.make_tensor_descriptor(x_q, shape=[rows, cols], strides=[row_stride, 1],
                                        block_shape=[BM, BK])
     w_desc = tl.make_tensor_descriptor(w, shape=[w_rows, cols], strides=[cols, 1],
@@ -121,8 +121,7 @@ def next_scale_step(kb, KB):
     """The K step whose scales a K loop loads during step ``kb``: kb + 1, or the last step
     again at the end (an in-bounds reload, never used). Loading a step's activation and weight
     scales one step ahead hides their latency behind the step's MMAs; loaded in the step that
-    uses them, they held the warps at the promotion (ncu on H200, session 12: "long
-    scoreboard" stalls of the fp8 GEMMs, benchmarks/NOTES.md)."""
+    uses them, they hold the warps at the promotion ("long scoreboard" stalls in ncu)."""
     return tl.minimum(kb + 1, KB - 1)
 
 
@@ -137,9 +136,8 @@ def l1_fp8_block(mb, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_sca
     fp8 re-quantization of its BN columns (BN/128 scale groups per row).
     Row strides (elements): x_q X_STRIDE, x_scale XS_STRIDE, act_q A_STRIDE, act_scale
     AS_STRIDE (H, H/128, I, I/128 for separate tensors; the layer packs values and scales
-    in one byte row). Pointer loads only: with tensor descriptors this block spilled inside
-    its K loop (136-160 B of stack) and ran 1.3-1.5x slower on H200 (benchmarks/NOTES.md,
-    session 6)."""
+    in one byte row). Pointer loads only: with tensor descriptors this block spills inside
+    its K loop and runs slower."""
     l1_fp8_rows(mb, 0, nb, e, vm, x_q, x_scale, w13, w13_s, pool_w, act_q, act_scale, H, I,
                 X_STRIDE, XS_STRIDE, A_STRIDE, AS_STRIDE, BM, BN, BK, BM, 0, 0, False,
                 FIX_ROUNDING, False)
