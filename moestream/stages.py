@@ -50,7 +50,7 @@ def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
     more than 32 rows under uniform routing (mean + 3 standard deviations + 1 of a Poisson
     count with mean tokens * ranks * top_k / num_experts, at most 32): blocks of up to 16
     rows then run one 16-row piece and blocks of 17-32 one 32-row piece, each reading its
-    weights once (session 7: faster than the 128-row tiles at 16 and 32 rows per expert).
+    weights once (faster than the 128-row tiles at 16 and 32 rows per expert).
     A hot expert's fuller blocks take up to block_m / 32 pieces."""
     mean = mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k, num_experts=num_experts)
     if block_m % 16 == 0 and mean + 3 * mean ** 0.5 + 1 <= 32:
@@ -65,10 +65,7 @@ def fp8_l1_split_for(*, tokens: int, top_k: int, experts_per_rank: int,
     its experts) leave at most a quarter of the L1's programs a tile, so the device splits
     (``kernels/gemm.split_count``), else 1. The fp8 L1 compiled with its split parts holds
     255 registers and runs its unsplit tiles slower than the kernel without them, so the
-    split form is launched only where it is expected to split. Measured on one H200 (world
-    size 1, qwen3, benchmarks/NOTES.md, session 29; the L1 inside the layer's graph replays,
-    two runs in opposite order): 1 token (8 blocks of 6 tiles on 264 programs) 15.5 / 16.0
-    -> 13.9 / 13.6 µs; 2, 4, 8 tokens (no split) 22.0 -> 26.1, 30.8 -> 34.7, 52.3 -> 56.7."""
+    split form is launched only where it is expected to split."""
     blocks = min(experts_per_rank, max(tokens, 1) * top_k)
     return 4 if blocks * l1_tiles_per_block * 4 <= programs else 1
 
@@ -78,12 +75,9 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
     """(``Tuning.l1_tail_rows``, ``l2_tail_rows``) for a staged call that is not decode-sized:
     on while the mean rows per expert under uniform routing (tokens * ranks * top_k /
     num_experts) are at most block_m / 2, where most experts' only m-block is partly filled.
-    fp8 takes both GEMMs' pieces, bf16 the L1's. Measured on 2x H200 (benchmarks/NOTES.md,
-    session 10, A/B in one run, graph replays): at 512 tokens (24-64 rows per expert) fp8
-    1.04-1.25x faster (dsv3 2293 -> 1942 µs, v4flash 1319 -> 1059; most of it in the L2,
-    whose empty second 64-row piece is skipped), bf16 1.00-1.06x; at 2048 tokens (96-256
-    rows) fp8 lost up to 9 % (v4flash) or gained 3 % (qwen3), bf16 nothing. 32-row pieces (16
-    where 32 does not divide the piece), off for fp4w."""
+    fp8 takes both GEMMs' pieces, bf16 the L1's: faster there (fp8 most, largely in the L2,
+    whose empty second 64-row piece is skipped), no gain once experts fill whole blocks.
+    32-row pieces (16 where 32 does not divide the piece), off for fp4w."""
     mean = mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k, num_experts=num_experts)
     if dtype not in ("bf16", "fp8") or mean > block_m / 2:
         return 0, 0
@@ -95,42 +89,28 @@ def tail_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, bloc
 
 def one_dot_for(*, tokens: int, ranks: int, top_k: int, num_experts: int, block_m: int) -> bool:
     """``Tuning.l1_one_dot`` for a bf16 staged call: on once the mean rows per expert under
-    uniform routing (tokens * ranks * top_k / num_experts) reach 2 * block_m. Measured on 2x
-    H200 (benchmarks/NOTES.md, session 19): the L1 alone at 2048 rows per expert 5812 -> 5266
-    µs (dsv3 dims) and 638 -> 608 (qwen3), 512 rows 166 -> 160 (qwen3), equal at dsv3 512, 1-4 %
-    slower at 128; in the layer (two runs in both orders) qwen3 2048 / 8192 tokens (256 / 1024
-    rows per expert) 478 -> 469 / 1502 -> 1469 µs, the others within their +-2 % order
-    effect."""
+    uniform routing (tokens * ranks * top_k / num_experts) reach 2 * block_m: faster with
+    several whole tiles per expert, slightly slower at 128 rows (see docs/tuning.md)."""
     return mean_rows_per_expert(tokens=tokens, ranks=ranks, top_k=top_k,
                                 num_experts=num_experts) >= 2 * block_m
 
 
 # The staged one-MMA L1 (``Tuning.l1_one_dot_stages``) runs ONE_DOT_L1_STAGES stages of 64-deep
 # K steps (147 KB of shared memory) instead of Tuning.hopper's 4 (197 KB) where hidden, its K,
-# is at least ONE_DOT_SHALLOW_MIN_HIDDEN. Session 32, one H200, world size 1, the layer
-# (staged-graph against --tuning l1_stages=3, one process in each order, µs): dsv3 8192
-# tokens (256 rows per expert) 13815 / 13737 -> 13412 / 13328, 16384 (512) 24704 / 24960 ->
-# 23520 / 22836; mixtral (hidden 4096) 2048 / 8192 tokens within the run order's 7-15 % (sums
-# 0.963 / 0.982 of before); qwen3 (hidden 2048) 1.2-1.9 % slower at 256 rows in four runs,
-# ~1 % faster at 512, so it keeps 4. The L1 alone was 2-5 % faster at 1024-2048 rows per
-# expert on both dsv3 and qwen3 dims (benchmarks/NOTES.md, session 32 items 5-6).
+# is at least ONE_DOT_SHALLOW_MIN_HIDDEN: faster there from 256 rows per expert; a shorter K
+# (qwen3, hidden 2048) was slower at 256 rows, so it keeps 4 (see docs/tuning.md).
 ONE_DOT_L1_STAGES = 3
 ONE_DOT_SHALLOW_MIN_HIDDEN = 4096
 
 
 # The staged fp8 L2 computes whole 128-row tiles (8 warps) where the intermediate size (its K)
-# is at least this, else 64-row pieces (4 warps, two programs per SM). Session 21 on one H200,
-# the L2 alone, pieces -> tile, µs: dsv3 dims (I = 2048) 206 -> 185 / 677 -> 598 / 2640 -> 2324
-# at 128 / 512 / 2048 rows per expert; qwen3 dims (I = 768) 32.4 -> 34.9 / 91.7 -> 106 / 327
-# -> 372.
+# is at least this, else 64-row pieces (4 warps, two programs per SM): the tile is faster at
+# a long K (dsv3, I = 2048), the pieces at a short one (qwen3, I = 768).
 FP8_L2_TILE_MIN_I = 2048
 
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per ticket
-# (more rows in flight; 168 registers, three programs per SM) instead of 4. Session 14 on 2x
-# H200 (dispatch stage, µs, 4 -> 8): dsv3 2048 / 8192 tokens 176 -> 150 / 740 -> 695, qwen3
-# 2048 / 8192 53 -> 50 / 196 -> 183, mixtral 8192 (16384 picks) 244 -> 245; with fewer picks
-# 8 was slower: 512 tokens +13..18 % on all three shapes, mixtral 2048 66 -> 72. A second run
-# in the other order (default 8 against 4) agreed at 7 of 8 bf16 and fp8 points.
+# (more rows in flight; 168 registers, three programs per SM) instead of 4: faster for
+# large calls, slower with fewer picks.
 DISPATCH_TILE8_PICKS = 16384
 
 
@@ -178,7 +158,7 @@ class Tuning:
     l1_block_n/k, l2_block_n/k: GEMM tiles (None = the config's block_n/block_k).
     l1_warps/l1_stages, l2_warps/l2_stages: warps and software-pipeline depth of each GEMM.
     use_tma: load GEMM tiles with tensor descriptors (None = on Hopper GPUs, not elsewhere);
-        the staged bf16 L1/L2 and fp8 L2 (session 6; the fp8 L1 keeps pointer loads), the
+        the staged bf16 L1/L2 and fp8 L2 (the fp8 L1 keeps pointer loads), the
         fused launch in bf16.
     wait: GEMM blocks acquire their input counters, and the dispatch and L1 launches count
         them (arrivals, ``l1_done``). Stream order already guarantees them in the staged path
@@ -201,13 +181,8 @@ class Tuning:
         (stored whole when 128 wide).
     fused_l2_lag: 0 or 1: the fused launch hands out a wave's L2 tickets right after its L1
         tickets (0), or after the next wave's L1 tickets (1, the default), so that they find
-        their L1 blocks done instead of waiting (session 17's trace of qwen3 at 2048 tokens:
-        13 % of the L2 tickets' time went to that wait). Session 18 on 2x H200, 0 -> 1, µs:
-        qwen3 2048 / 8192 tokens 616 / 1916 -> 593 / 1899, dsv3 5091 / 14302 -> 4902 /
-        14084, v4flash 2211 / 6678 -> 2134 / 6550, mixtral 2048 2790 -> 2762; fp8 qwen3 620 /
-        2047 -> 605 / 2018, dsv3 4165 / 11961 -> 4004 / 11615; mixtral 128 555 -> 490 (the
-        0 runs spread down to 496); equal within noise at 1 and 128 tokens elsewhere (one
-        wave in decode pieces: nothing to reorder).
+        their L1 blocks done instead of waiting (faster for multi-wave calls; decode pieces
+        run one wave: nothing to reorder).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -228,17 +203,15 @@ class Tuning:
         (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next tile's
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
         with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
-        otherwise the plain loop runs. 5-15 % faster with 128x128 tiles (benchmarks/NOTES.md,
-        session 5; the same loop in L1 measured slower and was removed, again in session 19
-        with descriptors: 15-30 %).
+        otherwise the plain loop runs. Faster with 128x128 tiles (the same loop in the L1 is
+        slower, so the L1 has none).
     l1_one_dot: the staged L1 computes a block's gate and up columns as one MMA of
         2 * l1_block_n columns per K step, their weight rows loaded as one [2, block_n, K
         step] tile of w13 seen as [E/R * 2, I, H] (a 3-D tensor descriptor), instead of two
-        MMAs of block_n (sm_90: 81 instead of 103 instructions per K step, no spills). bf16
+        MMAs of block_n (sm_90: fewer instructions per K step, no spills). bf16
         whole tiles with descriptors only (ignored in fp8, fp4w, decode and tail pieces, with
         pointer loads, and by the fused launch). ``for_call`` turns it on from 2 * block_m
-        rows per expert (``one_dot_for``; session 19: the L1 alone 5-9 % faster at 512-2048
-        rows per expert, 1-4 % slower at 128).
+        rows per expert (``one_dot_for``: faster there, slightly slower at 128).
     l1_one_dot_stages: pipeline depth of the staged L1 in that one-MMA form (None:
         l1_stages). ``for_call`` sets ``ONE_DOT_L1_STAGES`` where hidden (the L1's K) is at
         least ``ONE_DOT_SHALLOW_MIN_HIDDEN``.
@@ -249,8 +222,8 @@ class Tuning:
         tiles in these pieces.
     l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
         a weight column block is reused by that many m-blocks while it sits in L2 cache).
-        1 (n fastest) by default: 8 measured no faster at 2048 tokens per expert and 9-15 %
-        slower at 16-128 (benchmarks/NOTES.md, session 4).
+        1 (n fastest) by default: 8 is no faster at large calls and slower at 16-128 rows
+        per expert.
     l1_group_m: m-blocks the staged L1's tickets walk at a time (``grouped_tile``), as
         l2_group_m does for the L2. 1: n fastest. ``for_call`` groups 8 when an m-block has
         so many column blocks that the programs running at once cover only a couple of
@@ -270,18 +243,17 @@ class Tuning:
         fused launch and the staged combine.
     copy_warps: warps of the staged copy launches (publish, numbering, dispatch).
     combine_warps, combine_per_sm: warps and programs per SM of the staged combine launch
-        (None = copy_warps). The combine only loads and sums rows: 8 warps made it faster at
-        dsv3 dims (sessions 13, 14) where dispatch was 1.4x slower with them.
+        (None = copy_warps). The combine only loads and sums rows: 8 warps make it faster at
+        dsv3 dims, where dispatch is slower with them.
     l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
         an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
         registers) and several programs per SM, so one program's epilogue overlaps
-        another's loads, as the bf16 L2 does at 128 rows (session 6). Needs l2_signal "rank".
+        another's loads, as the bf16 L2 does at 128 rows. Needs l2_signal "rank".
     pdl: launch the staged kernels with programmatic dependent launch (``kernels/_common.
         pdl_enter``): each kernel's programs are placed while the previous kernel finishes and
         start the moment it completes, instead of after a launch gap (sm_90+; the interpreter
-        ignores it; the fused launch does not use it). Off: measured on 2x H200 it saved at
-        most ~4 µs at 1 token and cost 3-10 % from 128 tokens up (benchmarks/NOTES.md,
-        session 6).
+        ignores it; the fused launch does not use it). Off by default: it saves a few µs at 1
+        token and costs more than that from 128 tokens up.
     decode_rows: 0 (off), 16 or 32: the staged L1 and L2 compute each block as weights @
         rows^T (swap AB: the weight tile is the MMA's row operand, [block_n, rows]
         accumulators): a block of at most decode_rows valid rows as one piece of that many
@@ -301,7 +273,7 @@ class Tuning:
         decode_rows (decode pieces cover those blocks already) or fp4w. Must divide block_m
         (L2: block_m / l2_split_m); the L2's need l2_signal "rank", and with them Triton 3.6
         does not flatten the L2 loop even when l2_flat asks (sm_90 compile: the flat and the
-        plain form take the same shared memory; benchmarks/NOTES.md, session 10).
+        plain form take the same shared memory).
     fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
         "fp4w" computes each block's valid rows in pieces of this many rows, each piece
         decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).
@@ -313,8 +285,7 @@ class Tuning:
         descriptors (``host_descriptors``) and passes them as kernel parameters, instead of
         every program writing each one to global memory and fencing it before its first
         load (three round trips in a row ahead of a decode L2's first weight load; sm_90
-        SASS, benchmarks/NOTES.md, session 21). The GPU saves ~1.5 µs per launch (session
-        22: qwen3 decode L2 33.1 -> 31.6 µs), the host pays tens of µs more per launch
+        SASS). The GPU saves a µs or two per launch, the host pays tens of µs more per launch
         (Triton encodes each descriptor at every launch), so None (the default) builds them
         only while a CUDA graph is being captured, whose replays pay nothing for them;
         True: always, False: never. The fused launch (one local rank, descriptor loads)
@@ -326,13 +297,11 @@ class Tuning:
         sums go to a scratch of the buffer (``SymmBuffer.scratch``); the last part to finish
         adds them in a fixed order and applies SwiGLU, so the result does not depend on which
         part was last, and no part waits for another. A program streaming one tile alone is
-        bound by its own K loop (session 22: 1-4 qwen3 experts' L1 take 8-9 µs beyond an
-        empty launch whatever the count; with 4 parts 12.1-13.2 -> 8.8-11.8 µs in two runs
-        of opposite order). ``decode`` sets 4 in bf16; in fp8 (``kernels/gemm.
-        l1_fp8_split_part``) ``for_call`` sets 4 only where a call's expected tiles split
-        (``fp8_l1_split_for``): the fp8 kernel with the split form in it is slower where it
-        does not split (session 29). Where it applies: a rank receives
-        about T x top-k picks per call whatever the number of ranks, so at 1 token per rank a
+        bound by its own K loop, which the parts share. ``decode`` sets 4 in bf16; in fp8
+        (``kernels/gemm.l1_fp8_split_part``) ``for_call`` sets 4 only where a call's expected
+        tiles split (``fp8_l1_split_for``): the fp8 kernel with the split form in it is slower
+        where it does not split. Where it applies: a rank receives about T x top-k picks per
+        call whatever the number of ranks, so at 1 token per rank a
         top-8 model has ~8 m-blocks on every rank (qwen3: 96 L1 tiles on 264 programs, no
         split); it splits where few experts are hit (top-k <= 4 at qwen3 dims, a rank whose
         tokens share experts). The fused launch ignores it. 1: off.
@@ -341,35 +310,18 @@ class Tuning:
         order and stores the rows into their combine slots. It applies where a call's L2
         tiles are at most a quarter of the programs: qwen3 dims up to 4 m-blocks (16 column
         blocks each), dsv3 one (56), mixtral two (32 each, K = 14336: top-2, so a 1-token
-        call; session 23: its L2 at 1 / 2 blocks 61.3 / 78.7 -> 37.0 / 63.3 µs, the layer
-        at 1 token 201 -> 192). The fused launch splits its L2 tickets the same way (each
-        tile's parts on consecutive tickets, a part claiming the next ticket when done), into
-        two parts already where K is long (``fused_min_split``; mixtral at 1 token 213 -> 204
-        µs, session 23). ``decode`` sets 4 in bf16. 1: off.
+        call). The fused launch splits its L2 tickets the same way (each tile's parts on
+        consecutive tickets, a part claiming the next ticket when done), into two parts
+        already where K is long (``fused_min_split``, e.g. mixtral at 1 token). ``decode``
+        sets 4 in bf16. 1: off.
     gemm_claim: the staged L1 and L2 programs claim their tickets from a per-launch counter
         after their first two (``kernels/gemm.next_tickets``; claimed two tiles ahead, the
         last program zeroes the counter) instead of taking every programs-th ticket: a
         program held up by a costly block takes fewer of the rest. A launch with at most two
-        tickets per program deals them all round-robin (``kernels/gemm.claiming``; session
-        26, one H200, world size 1, qwen3 dims at 16 rows per expert, 32 experts, the decode
-        L1 / L2 alone, claimed from the second ticket 58.6 / 33.7 µs, round-robin 56.0 /
-        32.7; A/B of this and the decode epilogues' early loads against the code before, µs:
-        the GEMMs 58.2 / 33.7 -> 55.8 / 31.4, the layer at qwen3 1 / 8 tokens 52.7 / 167.6
-        -> 49.9 / 161.3, fp8 52.3 / 113.1 -> 49.7 / 111.2, dsv3 at 1 token 204.1 -> 201.6,
-        with the hot expert qwen3 at 128 / 256 tokens 322.4 / 333.3 -> 321.0 / 331.1). A hot
-        expert's block in a decode call runs several 32-row pieces (session 25, one H200,
-        world size 1, qwen3 dims at 128 tokens, every token also to expert 0: staged 334 ->
-        374 µs, L1 197 -> 225, L2 105 -> 117; the fused launch, which claims its tickets,
-        318 -> 322). ``decode`` turns it on
-        in every format. Same session, round-robin -> claimed, µs, with the hot expert /
-        without: bf16 qwen3 at 128 tokens 362 -> 329 / 323 -> 323, at 256 364 -> 340 /
-        333 -> 331, dsv3 at 256 and 512 1-2 % / 0.6-0.8 % faster, v4flash at 256 3036 ->
-        2991 / 2964 -> 2951, mixtral at 16 0.5 % faster; fp8 qwen3 at 128 237 -> 232 / 195
-        -> 197, dsv3 at 256 2878 -> 2788 / 2769 -> 2744; fp4w (16-row pieces, each decoding
-        the weights again) qwen3 at 128 524 -> 487 / 272 -> 275, dsv3 at 256 5313 -> 4388 /
-        4282 -> 4185, at 512 6769 -> 5900 / 6586 -> 6119. Larger calls keep round-robin
-        tickets (bf16 qwen3 at 4096 tokens, 256 rows per expert: 744 -> 770 µs with claims;
-        dsv3 equal; fp8 dsv3 at 2048 3857 -> 4146), except fp4w, whose blocks cost a piece
+        tickets per program deals them all round-robin (``kernels/gemm.claiming``). A hot
+        expert's block in a decode call runs several 32-row pieces; claimed tickets spread
+        the rest over the other programs. ``decode`` turns it on in every format. Larger calls keep
+        round-robin tickets (claims are slower there), except fp4w, whose blocks cost a piece
         per ``fp4w_rows`` valid rows (``for_call``). Not with l2_flat (its L2 keeps the flat
         loop); split-K parts stay one per program. The fused launch ignores it.
     """
@@ -428,27 +380,22 @@ class Tuning:
     def hopper(cls, block_m: int, dtype: str = "bf16", *, hidden: int,
                intermediate: int) -> "Tuning":
         """The layer's GPU defaults for a config of these dims (``MoEConfig.hidden`` and
-        ``intermediate``), the best tiles of benchmarks/NOTES.md on H200, no waits (the
+        ``intermediate``), the tiles measured best on H200 (see docs/tuning.md), no waits (the
         staged path's stream order already completes every producer).
         block_m 128: L1 128x128x64, 8 warps, 4 stages (one program per SM). L2 128x256x64,
         8 warps, 4 stages, one program per SM, a flat loop (the next tile's loads overlap this
-        tile's epilogue) and the epilogue in four quarters (session 21, after session 20 made
-        the scatter stores vectors: the L2 alone at 512 / 2048 rows per expert dsv3 774 ->
-        702 / 3112 -> 2646 µs, qwen3 89.8 -> 86.2 / 317 -> 312, equal at 128); where 256 does
-        not divide hidden, the 128x128 tile of sessions 5-20 (4 warps, 3 stages, two programs
-        per SM).
+        tile's epilogue) and the epilogue in four quarters; where 256 does not divide hidden,
+        a 128x128 tile (4 warps, 3 stages, two programs per SM).
         fp8: 128-wide L1 and L2 blocks (K steps of 128, one scale block each); L1 8 warps,
-        3 stages (session 4). L2 where intermediate >= ``FP8_L2_TILE_MIN_I``: the 128-row
-        tile, 8 warps, 4 stages, the epilogue in two halves (session 21, dsv3 dims: 10-12 %
-        faster than the pieces at 128-2048 rows per expert); at a shorter K (qwen3: 768) in
-        64-row pieces with 4 warps, 3 stages and a flat loop, two programs per SM (session 6;
-        session 21 at qwen3 dims: 7-14 % faster than the tile). Smaller fp8 m-blocks keep the
-        tile (the pieces were measured at block_m 128 only).
-        Dispatch (session 8): tickets of 4 source tokens with eager loads, as the fused
-        launch's tasks (sweep F3). Combine with 8 warps (session 14: dsv3 2048 / 8192 tokens
-        97 -> 87 / 394 -> 330 µs, qwen3 and mixtral equal)."""
+        3 stages. L2 where intermediate >= ``FP8_L2_TILE_MIN_I``: the 128-row tile, 8 warps,
+        4 stages, the epilogue in two halves; at a shorter K (qwen3: 768) in 64-row pieces
+        with 4 warps, 3 stages and a flat loop, two programs per SM (faster there than the
+        tile). Smaller fp8 m-blocks keep the tile (the pieces were measured at block_m 128
+        only).
+        Dispatch: tickets of 4 source tokens with eager loads, as the fused launch's tasks.
+        Combine with 8 warps (faster at dsv3 dims, equal elsewhere)."""
         copy = dict(dispatch_tile=4, dispatch_eager=True, wait=False, combine_warps=8)
-        if dtype == "fp4w":   # pointer loads, 64-row pieces (session 9, benchmarks/quant_gemm.py)
+        if dtype == "fp4w":   # pointer loads, 64-row pieces (benchmarks/quant_gemm.py)
             return cls(l1_warps=8, l1_stages=3, l2_warps=8, l2_stages=3, l1_block_n=128,
                        l2_block_n=128, fp4w_rows=min(64, block_m), **copy)
         if dtype == "fp8":
@@ -482,7 +429,7 @@ class Tuning:
 
         Decode-sized calls (``decode_rows_for``; ``decode``, the staged path only) run both
         GEMMs in decode pieces with the weights as the MMA row operand (``Tuning.decode``;
-        session 7: 1.1-2.0x faster GEMMs at 16 rows per expert, fp8 most). Larger staged
+        faster GEMMs at 16 rows per expert, fp8 most). Larger staged
         calls run tail pieces (``tail_rows_for``). bf16 L1 column blocks are narrowed when a
         call touches so few experts that 128-wide blocks leave SMs idle (each block then
         streams its weights alone). Large calls dispatch in tiles of 8 tokens
@@ -528,25 +475,22 @@ class Tuning:
                                            if cfg.hidden >= ONE_DOT_SHALLOW_MIN_HIDDEN
                                            else None))
         if cfg.dtype == "fp4w":   # its L1 is bound by the in-kernel decode, not by HBM:
-            # grouped, mixtral 512 measured 4716 vs 4331 µs (session 14); a block costs a
-            # piece per 64 valid rows, so claimed tickets balance the programs (session 25,
-            # one H200, world size 1: qwen3 at 2048 / 4096 tokens 2124 -> 1996 / 3591 ->
-            # 3323 µs, dsv3 at 2048 22052 -> 20301; fp8 lost: 411 -> 417, 669 -> 675, 3857
-            # -> 4146)
+            # grouping m-blocks is slower; a block costs a piece per 64 valid rows, so
+            # claimed tickets balance the programs (in fp8 they do not pay)
             return replace(t, gemm_claim=True)
         return replace(t, l1_group_m=l1_group_m_for(cfg.intermediate // t.l1_tile(cfg)[0], sms))
 
     def decode(self, rows: int, cfg) -> "Tuning":
-        """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes
-        (session 7), 4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
+        """This tuning in decode pieces of ``rows`` (``decode_rows``) with their launch shapes,
+        4 warps and 5 stages each: bf16 L1 blocks 64 wide, split-K in four or
         more parts where a call has few tiles (``l1_split_k``, ``l2_split_k``), tickets
         claimed (``gemm_claim``, every format), L1 and L2 two programs per SM (~100 KB of
         shared memory); fp8 L1 128 wide (one scale group) in 3 stages, so that two programs
-        share an SM (session 8: qwen3 dims 40.8 -> 37.8 µs, dsv3 equal), L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
+        share an SM, L2 two; L2 blocks 128 wide. Dispatch moves each row in all its
         ``hidden_chunk`` chunks as separate tickets (``dispatch_parts``)."""
         parts = _row_chunks(cfg.token_bytes // 2, self.hidden_chunk)   # every chunk of a row
         if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact),
-            # L1 with 4 warps, two programs per SM (session 9: dsv3 1 token 507 -> 321 µs)
+            # L1 with 4 warps, two programs per SM (faster at decode sizes)
             return replace(self, fp4w_rows=16, l1_warps=4, l1_stages=3, l2_warps=4,
                            l2_stages=3, l2_split_m=1, l2_flat=False, dispatch_parts=parts,
                            gemm_claim=True)
@@ -556,15 +500,15 @@ class Tuning:
                            dispatch_parts=parts, gemm_claim=True)
         l1n = 64 if cfg.intermediate % 64 == 0 else self.l1_block_n
         # L2 decode pieces 128 wide (two programs per SM): the 256-wide tile of ``hopper``
-        # measured equal in decode (session 21, 3 stages) and at 5 stages would hold an SM alone
+        # is no faster in decode and at 5 stages would hold an SM alone
         l2n = 128 if (self.l2_block_n or 0) > 128 else self.l2_block_n
         return replace(self, decode_rows=rows, l1_block_n=l1n, l1_warps=4, l1_stages=5,
                        l2_block_n=l2n, l2_warps=4, l2_stages=5, l2_split_m=1, l2_flat=False,
                        dispatch_parts=parts, l1_split_k=4, l2_split_k=4, gemm_claim=True)
 
     def for_fused(self, buffer: SymmBuffer, *, sms: int | None = None) -> "Tuning":
-        """This tuning with the fused launch's GPU defaults (benchmarks/NOTES.md, sweeps F2 and
-        F3 on 2x H200, sessions 16-17): 128-wide L2 blocks (the fused launch runs L2 with the
+        """This tuning with the fused launch's GPU defaults (measured best on H200; see
+        docs/tuning.md): 128-wide L2 blocks (the fused launch runs L2 with the
         L1's 8 warps), in bf16 two or more per L2 ticket where I <= 2048
         (``fused_l2_group_for``), one dispatch task per program moving 4 tokens at a time (8
         where this tuning has 8; decode pieces: 1, whole rows) with eager loads, combine
@@ -578,36 +522,28 @@ class Tuning:
         cfg = buffer.config
         l2n = 128 if cfg.hidden % 128 == 0 else self.l2_tile(cfg)[0]
         # decode pieces: two programs per SM (~100 KB of shared memory each). Mixtral's L2 has
-        # fewer blocks than that (4 experts x 32 column blocks of K = 14336 at EP2): it ran
-        # one program per SM while its L2 was unsplit (session 15: 473 vs 518 µs at 8 tokens);
-        # with split-K L2 tiles two are faster (session 24, 2x H200, 1 / 8 / 32 tokens: 208.7
-        # / 412.1 / 420.5 -> 197.2 / 357.6 / 371.0 µs, staged 200.0 / 363.5 / 371.6)
+        # fewer blocks than that (4 experts x 32 column blocks of K = 14336 at EP2), but with
+        # split-K L2 tiles two are faster there too
         per_sm = 1
         waves = self.wave_blocks
-        # dispatch tiles of 4 tokens, or 8 where for_call picks them for large calls (session
-        # 16: qwen3 2048 / 8192 tokens 755 / 2536 -> 691 / 2299 µs, dsv3 2048 5352 -> 5162)
+        # dispatch tiles of 4 tokens (faster than 1), or 8 where for_call picks them for large
+        # calls
         tile, chunk = max(4, self.dispatch_tile), self.hidden_chunk
         # bf16 where the L2's K loop is short (I <= 2048), so that per-block costs (pipeline
         # fill, the wait for the stores before the count) weigh: L2 tickets of at least two
-        # column blocks, and more until an m-block has at most 16 tickets (session 17, 2048
-        # tokens, µs: two blocks qwen3 693 -> 646, v4flash 2330 -> 2242, dsv3 5522 -> 5321,
-        # four at dsv3's 56 blocks 5231; four lost at qwen3 and v4flash, eight everywhere;
-        # mixtral, I = 14336: two 2790 -> 2824, not grouped)
+        # column blocks, and more until an m-block has at most 16 tickets (larger groups were
+        # slower; mixtral, I = 14336, is not grouped: no gain there)
         group = fused_l2_group_for(cfg, l2n)
         if self.decode_rows:
             per_sm = 2
             # one wave: with a wave of one L1 block per SM, the programs past the first SMs'
-            # worth took the wave's L2 tickets at once and spun until its L1 ended (session
-            # 15: 67-69 % of the L2 blocks' time at qwen3 128 tokens). A decode call reuses
-            # nothing between its waves, and its combine tickets follow all GEMM tickets
-            # anyway (session 16: qwen3 128 tokens 252 -> 208 µs, dsv3 2890 -> 2641,
-            # mixtral 1 token 332 -> 266)
+            # worth take the wave's L2 tickets at once and spin until its L1 ends. A decode
+            # call reuses nothing between its waves, and its combine tickets follow all GEMM
+            # tickets anyway
             waves = ONE_WAVE
             # a decode dispatch task moves one or two tokens: one token at a time, each row
             # in one load (up to 8192 16-bit words) instead of one peer round trip per
-            # 1024-word chunk, since L1 cannot start before the rows are in (session 16, 1
-            # token: dsv3 279 -> 261 µs, v4flash 157 -> 143, qwen3 73 -> 67; within 1 % at
-            # 32-128 tokens)
+            # 1024-word chunk, since L1 cannot start before the rows are in
             tile, chunk, group = 1, 8192, 1
         return replace(self, l2_block_n=l2n, fused_l2_group=group, dispatch_programs=sms,
                        dispatch_tile=tile, dispatch_eager=True, combine_tile=4, combine_chunk=512,
@@ -856,7 +792,7 @@ def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int, kernel=None, args
     at what one SM holds of the compiled ``kernel`` at once. Programs beyond that would wait
     for a whole earlier program to end and then walk their tickets in a second pass, which
     splits the tiles that share an expert's weights in the L2 cache into two far-apart passes
-    (fp8 L2: 1.46x slower, benchmarks/NOTES.md, session 5)."""
+    (measured slower, fp8 L2 most)."""
     if tuning.programs:
         return tuning.programs
     c = _constants(buffer)
@@ -898,7 +834,7 @@ def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tun
                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
     (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort, which
-    took ~60 µs of GPU time per call at small T (benchmarks/NOTES.md, session 5). The
+    cost tens of µs of GPU time per call at small T. The
     publish launch runs the same numbering (``kernels/dispatch.number_picks``) in programs of
     its own, straight into the buffer; this standalone form serves tests and callers that
     want the slots as tensors. ``topk_idx`` must be contiguous. ``pdl``: launch it with
@@ -1074,7 +1010,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     w4 = tuning.fp4w_pieces(cfg)
     tail = tuning.tail_pieces(cfg, "l1")
     dm = 0 if w4 else (tuning.decode_pieces(cfg) or tail)
-    # fp8 L1: pointer loads (its descriptor form spills in the K loop: 1.3-1.5x slower), except
+    # fp8 L1: pointer loads (its descriptor form spills in the K loop and is slower), except
     # in decode and tail pieces, whose accumulators are small; fp4w: pointer loads
     tma = tuning.tma(buffer) and (not fp8 or dm > 0) and not w4
     _ensure_allocator(tma)
@@ -1088,9 +1024,8 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         block_k=bk)
     split = tuning.l1_split_k if dm and not tail and cfg.dtype in ("bf16", "fp8") else 1
     sums, counts = _split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
-    # the host's base in decode pieces only: whole tiles (bf16 L1 alone, session 27, one H200,
-    # A/B) were 2-3 % slower with it (qwen3 512 / 2048 rows per expert 158.0 -> 161.7 / 600.0
-    # -> 613.7 µs, dsv3 512 1425 -> 1471), where a program's first loads weigh nothing
+    # the host's base in decode pieces only: whole tiles are slower with it, and there a
+    # program's first loads weigh nothing
     host_base = buffer.host_base if dm and not tail else None
     args = (buffer.table, buffer.rank0, *_weight_tables(buffer, w13s), host_base or 0,
             buffer.max_spins, buffer.timeout_ns,
@@ -1164,11 +1099,10 @@ def stream_ordered(buffer: SymmBuffer, tuning: Tuning) -> bool:
     group of one), so one process launches each stage for every rank on one stream before
     the next stage, and the tuning relies on stream order (``wait`` off, the GPU defaults).
     Then the layout waits for no peer's ready flag and, with the rank signal ("rank"), the
-    L2 counts and releases nothing and the combine waits for nothing (``l2_stream``; one
-    acquire per peer at the start of the layout, one acq_rel count per program and the last
-    program's release at the end of the L2, one flag wait at the start of the combine;
-    benchmarks/NOTES.md, session 28). Across GPUs the signals stay: another GPU's launches
-    are not ordered by this stream."""
+    L2 counts and releases nothing and the combine waits for nothing (``l2_stream``: saves
+    one acquire per peer at the start of the layout, one acq_rel count per program and the
+    last program's release at the end of the L2, one flag wait at the start of the combine).
+    Across GPUs the signals stay: another GPU's launches are not ordered by this stream."""
     return buffer.one_device and not tuning.wait
 
 
@@ -1237,8 +1171,8 @@ STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 def fused_min_split(cfg) -> int:
     """Fewest split-K parts of the fused launch's L2 tiles (``kernels/gemm.split_count``'s
     MIN_S): 2 where the L2's K loop is long (intermediate >= 8192: mixtral's 14336, whose
-    1-token call has 64 L2 tiles on 132 programs; session 23: 213 -> 204 µs), else 4 (two
-    parts of a short K loop measured slower than none, session 22)."""
+    1-token call has 64 L2 tiles on 132 programs), else 4 (two parts of a short K loop are
+    slower than none)."""
     return 2 if cfg.intermediate >= 8192 else 4
 
 
@@ -1343,8 +1277,8 @@ def fused_default(buffer: SymmBuffer, tokens: int) -> Tuning:
         t = t.decode(dm, cfg)
     t = t.for_fused(buffer)
     # combine tasks of combine_tile tokens are few at small T (32 at 128 tokens): split the
-    # columns until the tasks cover the SMs, down to parts of 256 columns (session 15: 0-5 %
-    # faster at 1-128 tokens, most at 1)
+    # columns until the tasks cover the SMs, down to parts of 256 columns (faster at 1-128
+    # tokens, most at 1)
     parts = 1
     tasks = cdiv(max(tokens, 1), t.combine_tile)
     while sms and tasks * parts < sms and cfg.hidden % (2 * parts) == 0 \
