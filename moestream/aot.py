@@ -154,7 +154,7 @@ def _compile_only(capability: int, compiled: dict, label: list):
 
 
 # global loads/stores of one 1- or 2-byte value (not vectors): what row copies compile to
-# when the compiler cannot see that their addresses are aligned (benchmarks/NOTES.md, session 20)
+# when the compiler cannot see that their addresses are aligned (kernels/_common.at)
 _NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?:8|16)\b")
 
 
@@ -310,8 +310,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
         label[0] = " fp8 decode split"   # the L1's split-K parts (Tuning.l1_split_k)
         stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4))
-        label[0] = " fp8 decode split ptr"   # ... by pointer loads (Tuning.use_tma=False; the
-        # interpreter accepted a form of it that the GPU compiler rejected: session 29)
+        label[0] = " fp8 decode split ptr"   # ... by pointer loads (Tuning.use_tma=False; a
+        # form the interpreter accepts can still fail in the GPU compiler)
         stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4,
                                                 use_tma=False))
         label[0] = " fp8 fused decode"

@@ -1,4 +1,4 @@
-"""The benchmark protocol of BENCHMARKS.md as helpers: timing, floors, result rows, tables, plots.
+"""The benchmark protocol as helpers: timing, floors, result rows, tables, plots.
 
 Importing this module needs no GPU; only ``time_cuda`` touches CUDA, and only when it is
 available. Benchmarks are scripts or CLI commands built on these helpers, never timed tests.
@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", 
            "routing_floors", "expected_touched_experts", "result_row", "append_rows",
            "load_rows", "print_table", "plot_rows"]
 
-# Rates measured on this project's 2x H200 SXM (NV18), BENCHMARKS.md "Calibration".
+# Rates measured on a 2x H200 SXM (NV18) node; the floors' default calibration.
 DEFAULT_CALIB: dict[str, float] = {
     "bf16_tflops": 728.0,    # dense bf16 8192^3 matmul
     "fp8_tflops": 1414.0,    # dense fp8 torch._scaled_mm
@@ -48,7 +48,7 @@ _BYTES: dict[str, dict[str, float]] = {
 }
 FLOOR_DTYPES = tuple(_BYTES)
 
-# Keys every result row carries (BENCHMARKS.md "Protocol"), in the order rows are written.
+# Keys every result row carries, in the order rows are written.
 ROW_KEYS = ("gpu", "num_gpus", "torch", "triton", "date", "shape", "ranks", "tokens_per_rank",
             "dtype", "provider", "median_us", "p20_us", "p80_us", "tflops_per_gpu", "link_gbps",
             "floor_us", "efficiency")
@@ -85,7 +85,7 @@ def time_cuda(fn: Callable[..., Any], *, warmup: int = 5, reps: int = 20,
             included) when ``rotate`` is given, so inputs can rotate through more memory
             than the L2 cache holds.
         warmup: untimed calls first (>= 0).
-        reps: timed calls (>= 1; BENCHMARKS.md asks for >= 20).
+        reps: timed calls (>= 1; the protocol uses >= 20).
         rotate: optional non-empty list of inputs.
         queue_ahead: (CUDA) hold the stream in a ~20 ms sleep kernel while the host enqueues
             the timed calls, so each call starts when the previous one ends and its events
@@ -204,7 +204,7 @@ def expected_touched_experts(*, num_experts: int, ranks: int, tokens_per_rank: i
 def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_per_rank: int,
            ranks: int, touched_experts: int | None = None, dtype: str = "bf16",
            calib: Mapping[str, float] = DEFAULT_CALIB) -> dict[str, Any]:
-    """Lower bounds of one rank's layer time under uniform routing (BENCHMARKS.md "Floors").
+    """Lower bounds of one rank's layer time under uniform routing (module docstring).
 
     Args:
         config_or_shape_dict: a MoEConfig, a dict with hidden, intermediate, num_experts,
@@ -340,7 +340,7 @@ def _auto_fields() -> dict[str, Any]:
 
 
 def result_row(**fields: Any) -> dict[str, Any]:
-    """One result row with the keys of BENCHMARKS.md (``ROW_KEYS``), then any extra fields.
+    """One result row with the protocol's keys (``ROW_KEYS``), then any extra fields.
 
     Required: shape, ranks, tokens_per_rank, dtype, provider, median_us, p20_us, p80_us.
     Filled automatically unless given: gpu, torch, triton, date; num_gpus (= ranks); and,
@@ -420,7 +420,7 @@ def print_table(rows: Sequence[Mapping[str, Any]], title: str = "", *,
                 columns: Sequence[str] | None = None, console: Any = None) -> Any:
     """Print rows as a rich table (one line per row, in the given order); returns the Table.
 
-    ``columns``: row keys to show (default: the BENCHMARKS.md ones); keys naming an error or
+    ``columns``: row keys to show (default: the protocol's main ones); keys naming an error or
     a difference print in scientific notation, other unknown keys with 2 decimals.
     ``console``: a ``rich.console.Console`` to print to (default: one on stdout, at least 132
     columns wide so no number is cut when the output is piped).

@@ -1,4 +1,4 @@
-"""Expert-parallel layer benchmark across the GPUs of one node (BENCHMARKS.md protocol).
+"""Expert-parallel layer benchmark across the GPUs of one node (``moestream.bench`` protocol).
 
 Providers, measured in the same run on the same inputs:
     staged        ours: mega_moe with one launch per stage (token-granular pull dispatch)

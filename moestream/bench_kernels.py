@@ -52,10 +52,12 @@ def _v(name: str, block_m: int, l1: tuple, l2: tuple, **kw) -> GemmVariant:
         **{"use_tma": True, "wait": False, **kw}))
 
 
-# Variants of the sweeps recorded in benchmarks/NOTES.md (earlier sweeps there too).
+# GEMM variants: the layer's defaults and alternatives to them, timed side by side (the
+# choices they informed: docs/tuning.md).
 # The layer's defaults at block_m 128 (Tuning.hopper; every benchmark shape's hidden is a
-# multiple of 256, so the bf16 L2 is the 128x256 tile); _BF16_S20: the bf16 L2 of sessions 5-20
-# (128x128, 4 warps, 3 stages, two programs per SM), which the "l2-*" variants vary.
+# multiple of 256, so the bf16 L2 is the 128x256 tile); _BF16_S20: the 128x128 bf16 L2 (4 warps,
+# 3 stages, two programs per SM; the default where 256 does not divide hidden), which the
+# "l2-*" variants vary.
 # The GEMMs run eagerly here, but are timed as the layer runs them in a CUDA graph: with the
 # descriptors built on the host (Tuning.host_descriptors; "*-devdesc": built in the kernel)
 _BF16 = replace(stages.Tuning.hopper(128, hidden=4096, intermediate=2048), use_tma=True,
@@ -81,11 +83,11 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # what the staged layer runs for the call (Tuning.for_call): the kernel issue's table
     GemmVariant("layer-call", 128, None),
     GemmVariant("layer-default", 128, _BF16),   # Tuning.hopper: L2 128x256 8w4s, flat, 1/4
-    GemmVariant("l2n128", 128, _BF16_S20),   # the default of sessions 5-20: L2 128x128 4w3s
-    # the default of sessions 2-4: L2 128x64 4w4s, whole-tile epilogue, no flat loop
+    GemmVariant("l2n128", 128, _BF16_S20),   # L2 128x128 4w3s
+    # a baseline: L2 128x64 4w4s, whole-tile epilogue, no flat loop
     _v("s4-default", 128, (128, 64, 8, 4), (64, 64, 4, 4)),
-    # ... with 264 programs (2 per SM of an H200), the grid before session 5: L1 (one program
-    # per SM fits) then runs as two passes (stages._programs)
+    # ... with 264 programs (2 per SM of an H200): L1 (one program per SM fits) then runs as
+    # two passes (stages._programs)
     _v("s4-default-p264", 128, (128, 64, 8, 4), (64, 64, 4, 4), programs=264),
     _v("l1w8s3", 128, (128, 64, 8, 3), (64, 64, 4, 4)),
     _v("l2n128w8s3", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
@@ -98,12 +100,12 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     # 64-wide L1 blocks at the default's 8 warps / 4 stages (what Tuning.for_call picks when a
     # call's tiles would leave a second round of programs mostly idle; decode)
     GemmVariant("l1n64", 128, replace(_BF16, l1_block_n=64)),
-    # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults (Tuning.hopper(128, "fp8"):
-    # since session 6 the L2 in 64-row pieces, 4 warps, flat); the variants after "fp8-s5"
-    # change session 5's default (_FP8_S5: one 8-warp 128-row L2 program per SM)
+    # fp8 (DeepSeek-V3 block scales): the layer's fp8 defaults at qwen3 dims (Tuning.hopper(128,
+    # "fp8"): the L2 in 64-row pieces, 4 warps, flat); the variants after "fp8-s5" vary
+    # _FP8_S5 (one 8-warp 128-row L2 program per SM, the default from intermediate 2048)
     GemmVariant("fp8", 128, replace(_FP8, use_tma=True), "fp8"),
     GemmVariant("fp8-s5", 128, replace(_FP8_S5, use_tma=True), "fp8"),
-    # decode pieces (Tuning.decode_rows, session 7): the weight tile as the MMA row operand.
+    # decode pieces (Tuning.decode_rows): the weight tile as the MMA row operand.
     # dec16 / fp8-dec16: what Tuning.for_call picks (Tuning.decode); the others vary it
     GemmVariant("dec16", 128, _BF16.decode(16, _DIMS_64)),
     GemmVariant("dec32", 128, _BF16.decode(32, _DIMS_64)),
@@ -114,28 +116,27 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("fp8-dec16-w8", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                              l1_warps=8, l1_stages=4, l2_warps=8,
                                              l2_stages=4), "fp8"),
-    # session 8: decode launch shapes (pipeline depth, programs per SM, K step, L2 width)
+    # decode launch shapes (pipeline depth, programs per SM, K step, L2 width)
     GemmVariant("dec16-s4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=4, l2_stages=4)),
     # three programs per SM (3 stages: ~61 KB of shared memory each)
     GemmVariant("dec16-p3", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
                                          gemm_per_sm=3)),
-    # session 28: four programs per SM in 3 stages: at qwen3 dims with 32 experts every decode
+    # four programs per SM in 3 stages: at qwen3 dims with 32 experts every decode
     # L1 tile (384) and L2 tile (512) has a program of its own, all in flight at once
     GemmVariant("dec16-p4", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=3, l2_stages=3,
                                          gemm_per_sm=4)),
-    # session 28: the fp8 decode L1 split-K (kernels/gemm.l1_fp8_split_part; Tuning.for_call
-    # sets it where a call's tiles split, stages.fp8_l1_split_for, session 29)
+    # the fp8 decode L1 split-K (kernels/gemm.l1_fp8_split_part; Tuning.for_call sets it
+    # where a call's tiles split, stages.fp8_l1_split_for)
     GemmVariant("fp8-dec16-split4", 128, replace(replace(_FP8, use_tma=True).decode(
         16, _DIMS_FP8), l1_split_k=4), "fp8"),
-    # session 28: decode pieces by pointer loads (cp.async) instead of TMA descriptors
+    # decode pieces by pointer loads (cp.async) instead of TMA descriptors
     GemmVariant("dec16-ptr", 128, replace(_BF16.decode(16, _DIMS_64), use_tma=False)),
     GemmVariant("dec16-l2k128", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_k=128,
                                              l2_stages=2)),
     GemmVariant("dec16-l2n64", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
                                             gemm_per_sm=3)),
-    # session 12: 256-wide decode L2 blocks (half the tiles of dec16: one wave at qwen3 dims
-    # instead of two; ~110 KB of shared memory at 3 stages, two programs per SM); measured
-    # equal to dec16 (qwen3, 16 rows, 64 experts: 3.38 TB/s both)
+    # 256-wide decode L2 blocks (half the tiles of dec16: one wave at qwen3 dims instead of
+    # two; ~110 KB of shared memory at 3 stages, two programs per SM); no faster than dec16
     GemmVariant("dec16-l2n256", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=256,
                                              l2_stages=3)),
     GemmVariant("fp8-dec16-l1s3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
@@ -143,15 +144,14 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("fp8-dec16-p3", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                              l1_stages=3, l2_stages=3, gemm_per_sm=3), "fp8"),
     # deep pipelines (one program per SM, more bytes in flight per SM), for calls with fewer
-    # tiles than SMs: measured with 8 experts at 1 and 16 rows (session 8), equal or slower
-    # except the qwen3 bf16 L1 at 1 row; not adopted
+    # tiles than SMs; equal or slower than the defaults except the qwen3 bf16 L1 at 1 row
     GemmVariant("dec16-deep", 128, replace(_BF16.decode(16, _DIMS_64), l1_stages=10,
                                            l2_stages=10)),
     GemmVariant("fp8-dec16-deep", 128, replace(replace(_FP8, use_tma=True).decode(16, _DIMS_FP8),
                                                l1_stages=5, l2_stages=10), "fp8"),
     GemmVariant("fp8-ptr", 128, replace(_FP8_S5, use_tma=False), "fp8"),   # pointer loads
     GemmVariant("fp8-l1s4", 128, replace(_FP8_S5, use_tma=True, l1_stages=4), "fp8"),
-    # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM (session 6)
+    # L2 in 64-row pieces of the 128-row m-blocks, 4 warps: two programs per SM
     GemmVariant("fp8-sm2", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
                                         l2_stages=3), "fp8"),
     GemmVariant("fp8-sm2s4", 128, replace(_FP8_S5, use_tma=True, l2_split_m=2, l2_warps=4,
@@ -169,35 +169,33 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("fp8-s4", 128, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
     GemmVariant("fp8-flat", 128, replace(_FP8_S5, l2_flat=True), "fp8"),
     GemmVariant("fp8-m64", 64, replace(_FP8_S5, l1_stages=4, l2_stages=4), "fp8"),
-    # session 11: tail pieces in both GEMMs (Tuning.l1_tail_rows / l2_tail_rows; run at M just
+    # tail pieces in both GEMMs (Tuning.l1_tail_rows / l2_tail_rows; run at M just
     # past a multiple of block_m, e.g. 136 or 160, every expert ends in a partly filled block)
     GemmVariant("tail32", 128, replace(_BF16, l1_tail_rows=32, l2_tail_rows=32)),
     GemmVariant("fp8-tail16", 128, replace(_FP8, use_tma=True, l1_tail_rows=16,
                                            l2_tail_rows=16), "fp8"),
     GemmVariant("fp8-tail32", 128, replace(_FP8, use_tma=True, l1_tail_rows=32,
                                            l2_tail_rows=32), "fp8"),
-    # session 11: a 128x256 bf16 L2 tile, 8 warps, one program per SM (a quarter less operand
+    # a 128x256 bf16 L2 tile, 8 warps, one program per SM (a quarter less operand
     # traffic per FLOP than 128x128; sm_90 compile: 255 registers, no spill at 2 ranks)
     GemmVariant("l2n256w8s3", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=3)),
     GemmVariant("l2n256w8s4", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4)),
-    # session 21: the same tile stored in two halves (sm_90: 192-221 registers, 224 KB of
-    # shared memory, no spills), re-measured after session 20 made the scatter stores vectors
+    # the same tile stored in two halves (sm_90: 192-221 registers, 224 KB of shared memory,
+    # no spills)
     GemmVariant("l2n256-split2", 128, replace(_BF16, l2_block_n=256, l2_warps=8, l2_stages=4,
                                               l2_epilogue_split=2)),
-    # session 19: the L1's gate and up as one 256-wide MMA (a [2, 128, 64] weight tile by a
-    # 3-D descriptor; sm_90: 81 instead of 103 instructions per K step, no spills). Its rows
-    # "ours:l1-flat" (a flat (tile, K) L1 loop) came from an option removed after measuring
+    # the L1's gate and up as one 256-wide MMA (a [2, 128, 64] weight tile by a 3-D
+    # descriptor; sm_90: fewer instructions per K step than two MMAs, no spills)
     GemmVariant("l1-onedot", 128, replace(_BF16, l1_one_dot=True)),
-    # session 32: the one-MMA L1 with 128-deep K steps in 2 stages (96 KB each; sm_90 at dsv3
-    # dims: 8 HGMMA in 105 instructions per K step against 4 in 80) or in 3 stages of 64
+    # the one-MMA L1 with 128-deep K steps in 2 stages (96 KB each; sm_90 at dsv3 dims: 8
+    # HGMMA in 105 instructions per K step against 4 in 80) or in 3 stages of 64
     # (what Tuning.for_call launches from hidden 4096: stages.ONE_DOT_L1_STAGES)
     GemmVariant("l1-onedot-k128s2", 128, replace(_BF16, l1_one_dot=True, l1_block_k=128,
                                                  l1_stages=2)),
     GemmVariant("l1-onedot-s3", 128, replace(_BF16, l1_one_dot=True, l1_stages=3)),
     GemmVariant("l1-s3", 128, replace(_BF16, l1_stages=3)),   # two MMAs, 3 stages
-    # session 22: the tensor descriptors built in every program (the form before
-    # Tuning.host_descriptors, and the eager layer's; two local ranks and the fused launch
-    # still build them there)
+    # the tensor descriptors built in every program (Tuning.host_descriptors off: the eager
+    # layer's form; two local ranks and the fused launch build them there too)
     GemmVariant("layer-default-devdesc", 128, replace(_BF16, host_descriptors=False)),
     GemmVariant("dec16-devdesc", 128, replace(_BF16.decode(16, _DIMS_64),
                                               host_descriptors=False)),
@@ -205,32 +203,27 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
                 "fp8"),
     GemmVariant("fp8-dec16-devdesc", 128, replace(replace(_FP8, use_tma=True).decode(
         16, _DIMS_FP8), host_descriptors=False), "fp8"),
-    # session 22: split-K decode L1 (Tuning.l1_split_k, 4 in dec16 since; it applies only
-    # where a call's L1 tiles are at most a quarter of the programs: benchmarks/
-    # launch_floor.py walks 1..E blocks); session 23: the same in the decode L2
-    # (l2_split_k). Before those, dec16 rows are unsplit. These two set both GEMMs
+    # split-K decode GEMMs (Tuning.l1_split_k / l2_split_k, 4 in dec16; they apply only where
+    # a call's tiles are at most a quarter of the programs: benchmarks/launch_floor.py walks
+    # 1..E blocks): off, or 8 parts; these two set both GEMMs
     GemmVariant("dec16-nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=1,
                                               l2_split_k=1)),
     GemmVariant("dec16-split8", 128, replace(_BF16.decode(16, _DIMS_64), l1_split_k=8,
                                              l2_split_k=8)),
     GemmVariant("dec16-l2nosplit", 128, replace(_BF16.decode(16, _DIMS_64), l2_split_k=1)),
-    # session 26: round-robin tickets (claims off), the L2's 16-row pieces stored whole
+    # round-robin tickets (claims off), the L2's 16-row pieces stored whole
     GemmVariant("dec16-rr", 128, replace(_BF16.decode(16, _DIMS_64), gemm_claim=False)),
     GemmVariant("dec16-epi1", 128, replace(_BF16.decode(16, _DIMS_64), l2_epilogue_split=1)),
-    # session 23: decode L2 weight tiles 64 rows x 256 columns (512-byte row segments per
+    # decode L2 weight tiles 64 rows x 256 columns (512-byte row segments per
     # load instead of 128): 2 stages (two programs per SM) or 3 (one)
     GemmVariant("dec16-l2k256s2", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
                                                l2_block_k=256, l2_stages=2)),
     GemmVariant("dec16-l2k256s3", 128, replace(_BF16.decode(16, _DIMS_64), l2_block_n=64,
                                                l2_block_k=256, l2_stages=3)),
-    # session 30: the bf16 decode L2 with 8 warps (two warpgroups, 64 weight rows each) or 6
-    # stages (18 KB each); qwen3, 32 experts, both orders: 30.9-31.1 and 36.4-36.6 µs against
-    # dec16's 30.5-30.6 (benchmarks/NOTES.md, session 30). Not adopted
+    # the bf16 decode L2 with 8 warps (two warpgroups, 64 weight rows each) or 6 stages
+    # (18 KB each); both slower than dec16
     GemmVariant("dec16-l2w8", 128, replace(_BF16.decode(16, _DIMS_64), l2_warps=8)),
     GemmVariant("dec16-l2s6", 128, replace(_BF16.decode(16, _DIMS_64), l2_stages=6)),
-    # session 20: rows "ours:l2-ws*" (the L2 warp-specialised in Gluon: a loader warp, MMA
-    # warps on mbarriers; 128x128, 4 slots, 128x256, groups of 4) came from an option removed
-    # after measuring it slower than this L2 (benchmarks/NOTES.md, session 20)
 ])
 
 
@@ -364,7 +357,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
     """Rows (one per kernel x provider x M): ours for each variant, torch._grouped_mm once.
 
     Args:
-        shape: a BENCHMARKS.md shape name (hidden/intermediate/top_k from it).
+        shape: a shape name of ``moestream.config.SHAPES`` (hidden/intermediate/top_k from it).
         tokens_per_expert: M values; each local expert of every rank gets exactly M tokens.
         experts_per_rank: local experts (the model's expert count is replaced by
             experts_per_rank * virtual_ranks so that the weights fit one GPU).

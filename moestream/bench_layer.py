@@ -41,7 +41,7 @@ lowers E (Qwen3: 1.2 GB of experts, Mixtral: 2.8 GB). The plain rotary embedding
 YaRN scaling; it costs the same either way). The vocabulary is cut to 256 (the embedding and
 head are not part of the layer).
 
-Protocol (BENCHMARKS.md): the weights are the same on every rank (broadcast from rank 0), every
+Protocol: the weights are the same on every rank (broadcast from rank 0), every
 point first checks that the two variants agree (relative error of the MoE block's output and of
 the layer's output on the same inputs <= 2e-2, the tolerance of the integration's tests, on
 every rank; a point that fails is reported and not timed), then each provider is timed with

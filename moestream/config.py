@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["MoEConfig", "SHAPES", "DTYPES", "FP8_GROUP", "cdiv", "align_up"]
 
-# Routed-expert shapes of the models we benchmark (../shared/BENCHMARKS.md).
+# Routed-expert shapes of the models we benchmark.
 SHAPES: dict[str, dict[str, int]] = {
     "dsv3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
     "v4flash": dict(hidden=4096, intermediate=2048, num_experts=256, top_k=6),

@@ -4,7 +4,7 @@ channels, exactly as in moestream.fp8; weights are MXFP4 as ``quant.convert_expe
 writes them. One launch per GEMM over a pool of block_m-row blocks described by block_meta
 (expert * 512 + valid_m, ``fp8.pack_block_meta``); the layer (MoEConfig dtype "fp4w") runs the
 same row functions inside its own kernels. Works on the CPU (Triton's interpreter) and on GPUs
-(tested on an H200 in session 9, the PTX decode included).
+(tested on an H200, the PTX decode included).
 
 The activation tensors (pool_x_q / pool_x_scale, act_q / act_scale) and y may be row-strided
 views (last dimension contiguous), e.g. the values and the scales of one packed byte row

@@ -7,7 +7,7 @@ against it. Three levels, as in DeepGEMM's Mega MoE scheduler:
   SMs; the L1 blocks of wave w + 1 are handed out, then the L2 blocks of wave w (``l2_lag``
   1, the default: they find their L1 blocks done instead of waiting for blocks that just
   started), so L2 of wave w overlaps L1 of wave w + 1; ``l2_lag`` 0 hands out a wave's L2
-  blocks right after its own L1 blocks (DESIGN.md's order);
+  blocks right after its own L1 blocks;
 - *blocks* (expert, m_block, n_block), n fastest, so concurrent programs share the A rows;
   L1 blocks optionally in groups of m-blocks (``l1_group_m``), so that where an m-block has
   many column blocks (mixtral) concurrent programs share weight tiles instead;

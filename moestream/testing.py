@@ -57,10 +57,10 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, *,
         if not 0.0 < skew <= 1.0:
             raise ValueError(f"skew must be in (0, 1], got {skew}")
         hot_tokens = torch.rand(num_tokens, generator=generator) < min(1.0, skew * top_k)
-        # expert 0 first by a margin that keeps every other probability non-zero: a logit
-        # of 1e4 (before session 24) left the others at exactly 0.0 after the softmax, so
-        # top-k broke the ties the same way for every hot token and every one of them took
-        # the same K experts
+        # expert 0 first by a margin that keeps every other probability non-zero: a huge
+        # logit (e.g. 1e4) leaves the others at exactly 0.0 after the softmax, so top-k
+        # breaks the ties the same way for every hot token and every one of them takes the
+        # same K experts
         logits[hot_tokens, 0] = logits[hot_tokens].max(dim=1).values + HOT_MARGIN
     idx, w = route(logits, top_k, scoring=scoring)
     if drop > 0:

@@ -1,6 +1,6 @@
 """The expert-parallel MoE layer built the usual way: all_to_all + grouped GEMM + all_to_all.
 
-This is the ``torch`` provider of BENCHMARKS.md, what a user builds today without DeepEP:
+This is the benchmarks' ``torch`` provider, what a user builds today without DeepEP:
 sort the (token, k) picks by destination rank, exchange counts, read the split sizes on the
 host (``.tolist()``: a device synchronisation that is part of what this baseline costs),
 dispatch token rows with ``all_to_all_single``, group them by local expert, run the two

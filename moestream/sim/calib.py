@@ -1,7 +1,7 @@
 """Calibration: the measured figures of one machine that the simulator's rates come from.
 
 The numbers live in a JSON file (``moestream/data/calib_h200x2.json`` is the packaged default,
-measured on this project's 2x H200 pair; see shared/BENCHMARKS.md). Schema
+measured on a 2x H200 pair; see docs/simulator.md). Schema
 (``"schema": "moestream.calib/1"``; every rate is per GPU, GB/s = 1e9 bytes/s)::
 
     num_sms              int    streaming multiprocessors per GPU
@@ -112,9 +112,9 @@ class FusedKernelCalib:
     launch_early_claims: programs whose second launch claim lands before the last programs'
         first claim (a launch race: such a program runs two of the first P tickets in a row).
     dispatch_programs_per_sm: token mode sizes dispatch tasks so that ``round(num_sms * this)``
-        tasks cover a call (``Tuning.dispatch_programs``: 0.5 in the kernel the session-3 traces
-        ran, 1.0 in the later default); a fact of the traced kernel version, kept with its
-        rates.
+        tasks cover a call (``Tuning.dispatch_programs``: 0.5 in the kernel the calibration
+        traces ran, 1.0 in the current default); a fact of the traced kernel version, kept
+        with its rates.
     call_fixed_us: per-call fixed cost by provider family (``"graph"``: a CUDA-graph replay of
         the publish, signal and layout launches and the fused launch).
     weight_gbps_per_sm: HBM rate one SM gets when every SM streams weights (None: the

@@ -3,11 +3,11 @@ measurements: kernel traces of the fused launch, a ``moestream probe`` file, the
 GEMM sweep and (for the per-call fixed cost only) the 1-token rows of ``moestream bench``.
 
     python -m moestream.sim.derive \\
-        --trace benchmarks/results/session3/trace_qwen3_8192_token.json.gz \\
-        --trace benchmarks/results/session3/trace_qwen3_8192_128.json.gz \\
-        --probe benchmarks/results/session3/calib_probe_quick.json \\
-        --gemm-sweep benchmarks/results/gemm_sweep_h200.jsonl \\
-        --fixed-rows benchmarks/results/session3/ep_final.jsonl \\
+        --trace tests/data/trace_qwen3_8192_token.json.gz \\
+        --trace tests/data/trace_qwen3_8192_128.json.gz \\
+        --probe tests/data/calib_probe_quick.json \\
+        --gemm-sweep tests/data/gemm_sweep_h200.jsonl \\
+        --fixed-rows tests/data/ep_final.jsonl \\
         --out moestream/data/calib_h200x2_fused.json
 
 A trace file (``moestream trace``) is gzip JSON with ``shape``, ``tokens_per_rank``,

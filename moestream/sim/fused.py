@@ -12,8 +12,8 @@ this project has (kernels/fused.py, tuning of ``moestream.stages``), task by tas
   whose current ticket began first; it runs it after that current ticket. At launch every
   program claims twice: the first P tickets are the programs' first tickets, the next P their
   second (the trace shows almost no interleaving of the two). This is the kernel the
-  calibration traces ran; since session 17 a dispatch task claims its next ticket only when
-  it is done, which the model does not follow.
+  calibration traces ran; the current kernel's dispatch tasks claim their next ticket only
+  when done, which the model does not follow.
 - **Ticket overhead**: a program begins a ticket ``ticket_overhead_us`` after its previous one
   ended (bookkeeping: locating the ticket, loading its metadata).
 - **Waits inside a ticket.** A program waits (idle) until its ticket's inputs are ready:
@@ -23,7 +23,7 @@ this project has (kernels/fused.py, tuning of ``moestream.stages``), task by tas
   flight, half the flag round trip, for picks computed on a peer).
 - **Task sizes as the kernel sizes them**: dispatch tasks of DT source tokens (token mode:
   ``DT = ceil(R * T / dispatch_programs)``, ``dispatch_programs = SMs * dispatch_programs_per_sm``
-  of the calibration: SMs / 2 in the kernel the session-3 traces ran; chunk C: ``DT = C``;
+  of the calibration: SMs / 2 in the kernel the calibration traces ran; chunk C: ``DT = C``;
   ``expert``: 256), moving ``DISPATCH_TILE = 4`` tokens at a time (the rows of a
   tile arrive when the tile is stored); combine tasks of 4 tokens; L1 blocks BM x BN1 with
   BN1 = 128 narrowed (64, 32) when a call touches too few experts to fill the SMs
@@ -109,14 +109,13 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     """Task sizes of one call (Tuning.for_call(...).for_fused(...).with_granularity(...));
     token mode sizes dispatch tasks for ``round(num_sms * dispatch_programs_per_sm)``
     programs (``Tuning.dispatch_programs``). The model keeps the 128-row GEMM tiles, one
-    program per SM and one combine part its calibration was traced with: since session 15
-    the kernel runs decode-sized calls in decode pieces, two programs per SM where the L2
-    has the blocks, and splits small calls' combine tasks into column parts; since session
-    16 decode calls run in one expert wave with one-token dispatch tiles, and large calls
-    dispatch in tiles of 8 tokens (``stages.fused_default``); since session 17 bf16 L2
-    tickets hold several column blocks (``stages.fused_l2_group_for``) and, as an option,
-    a wave's L2 tickets can follow the next wave's L1 (``Tuning.fused_l2_lag``, the default
-    since session 18). This model does none of that (its order is ``l2_lag`` 0)."""
+    program per SM and one combine part its calibration was traced with. The current kernel
+    also runs decode-sized calls in decode pieces, two programs per SM where the L2 has the
+    blocks, and splits small calls' combine tasks into column parts; decode calls run in one
+    expert wave with one-token dispatch tiles, and large calls dispatch in tiles of 8 tokens
+    (``stages.fused_default``); bf16 L2 tickets hold several column blocks
+    (``stages.fused_l2_group_for``), and a wave's L2 tickets follow the next wave's L1
+    (``Tuning.fused_l2_lag``). This model does none of that (its order is ``l2_lag`` 0)."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))

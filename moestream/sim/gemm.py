@@ -1,6 +1,6 @@
 """GEMM tasks on a rank's compute SMs, in ticket order, vectorised over ranks.
 
-The model (the persistent kernel of DESIGN.md §3): S compute SMs take tickets from one counter
+The model (a persistent GEMM kernel): S compute SMs take tickets from one counter
 in ticket order. The SM that became free first claims the next ticket, waits (idle) until the
 ticket's inputs are ready, runs it for its duration, and claims again. So ticket i starts at
 ``max(claim_i, ready_i)``, where ``claim_i`` is the smallest free time among the SMs when it is

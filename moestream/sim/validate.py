@@ -1,7 +1,7 @@
 """The simulator against measurements: predict every measured layer call and compare.
 
 ``validate(rows)`` takes result rows as ``moestream bench`` writes them (JSON lines, one per
-(provider, shape, ranks, tokens per rank); see shared/BENCHMARKS.md "Protocol"), simulates each
+(provider, shape, ranks, tokens per rank); see ``moestream.bench``), simulates each
 (shape, ranks, tokens_per_rank, routing) with the streaming mode its provider runs, and returns
 one row per measured row with the measured and predicted time.
 
@@ -13,7 +13,7 @@ provider name                   granularity         flag
 ``fused-graph``                 token               (what the model describes)
 ``fused``                       token               flagged: not a graph replay
 ``chunk<C>``                    C tokens            (``moestream bench``'s chunked fused launch)
-``chunked-<C>``,                C tokens            (BENCHMARKS.md's name, and aliases)
+``chunked-<C>``,                C tokens            (the benchmarks' name, and aliases)
 ``fused-chunk<C>``
 ``chunkexpert``, ...            whole expert        (``chunked-expert``, ``fused-chunk-expert``)
 ``chunkblock_m``, ...           the shape's block_m
