@@ -1,4 +1,4 @@
-"""Benchmark helpers on the CPU: floors against BENCHMARKS.md, rows, table, plot, timer."""
+"""Benchmark helpers on the CPU: floors against the reference table, rows, table, plot, timer."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ from moestream.bench import (DEFAULT_CALIB, ROW_KEYS, append_rows, expected_touc
                              routing_floors, slowest, time_cuda)
 from moestream.config import SHAPES, MoEConfig
 
-# BENCHMARKS.md, "Baseline and targets on 2x H200, EP2, bf16": (shape, T/rank, floor µs, bound).
-# The table's T=1 weight floors count the local experts its sampled routing touched:
+# The floors of the project's baseline table (2x H200, EP2, bf16): (shape, T/rank, floor µs,
+# bound). The table's T=1 weight floors count the local experts its sampled routing touched:
 # dsv3 8, v4flash 5, qwen3 8, mixtral 3 (floor / (3*H*I*2 B / 4 TB/s) is an integer in each
 # row). The expected count under uniform routing (floors' default) gives 8 and 8 for dsv3 and
 # qwen3, but 6 (75 µs) for v4flash and 2 (176 µs) for mixtral: those two rows pass the
@@ -39,7 +39,7 @@ def test_floors_reproduce_benchmarks_table(shape, T, floor_us, bound, touched) -
 
 
 def test_qwen3_link_floor_matches_table_note() -> None:
-    # BENCHMARKS.md: "qwen3 at 8192 tokens has link (746 µs) close to compute (850 µs)".
+    # qwen3 at 8192 tokens has its link floor (746 µs) close to compute (850 µs)
     got = floors("qwen3", tokens_per_rank=8192, ranks=2)
     assert abs(got["link_us"] - 746) / 746 <= 0.03
 
@@ -465,8 +465,7 @@ def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
 def test_gemm_bench_routing_gives_every_expert_exactly_its_rows():
     # the GEMM bench gives each expert exactly M rows: T = E * M / (R * K) tokens per rank must
     # be whole. v4flash's top-6 over 32 experts at 128 rows cannot (4096 / 6): K drops to the
-    # largest that fits (4), which changes where rows come from, not the GEMMs (session 21:
-    # an AssertionError in the device run before)
+    # largest that fits (4), which changes where rows come from, not the GEMMs
     from moestream.bench_kernels import picks_per_token, uniform_routing
     assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=6) == 4
     assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=8) == 8
@@ -708,9 +707,9 @@ def test_launch_floor_dry_run(tmp_path, capsys) -> None:
 
 
 def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
-    # session 28's forms of the L2's tile read (four programs per SM, K-block-major boxes,
-    # pointer loads), each summed and checked against torch's sum by the script, and the
-    # decode L2's MMA alone and with its stores, normal and evict_last (session 31; values
+    # the L2's tile-read forms (four programs per SM, K-block-major boxes, pointer loads),
+    # each summed and checked against torch's sum by the script, and the decode L2's MMA
+    # alone and with its stores, normal and evict_last (values
     # checked on GPUs only: the interpreter's tl.dot of descriptor-loaded bf16 tiles is
     # wrong); an fp8 GEMM variant, whose weight bytes are its e4m3 values
     mod = _script("launch_floor")

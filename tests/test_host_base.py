@@ -1,4 +1,4 @@
-"""The staged launches' first loads (session 27): a launch that serves one local rank (every
+"""The staged launches' first loads: a launch that serves one local rank (every
 real rank, one virtual rank) takes that rank's buffer address from the host
 (``SymmBuffer.host_base``, kernel parameter ``host_base`` with ``HOST_BASE``) instead of
 loading it from the table ahead of everything else: the GEMMs for their block count and
@@ -14,7 +14,7 @@ kernels asserts which form each launch took, so that a case which silently fell 
 the table would not pass as a test of the host form, and the layer still matches the
 reference in both forms.
 
-Session 28: where every rank is on this GPU and waits are off (``stages.stream_ordered``),
+Stream order: where every rank is on this GPU and waits are off (``stages.stream_ordered``),
 the layout waits for no ready flag and the L2 and the combine skip the rank signal; the
 same spy checks which launches took that form, and the L2's counters show that nothing was
 counted or released.

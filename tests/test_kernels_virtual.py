@@ -355,8 +355,8 @@ _RANDOM_TUNING = dict(
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_random_tunings_are_right_or_rejected(device, gen, dtype):
     # a tuning that a user may pass is either rejected with a ValueError before anything runs
-    # or gives the right layer (session 21 found a 256-wide L2 on hidden 384 that silently
-    # left columns unwritten): random configs (H, I up to 384, 2-6 experts, block_m 16-64),
+    # or gives the right layer (e.g. a 256-wide L2 on hidden 384 would silently leave
+    # columns unwritten): random configs (H, I up to 384, 2-6 experts, block_m 16-64),
     # random subsets of the fields above, staged or fused, 1-2 virtual ranks, 0-24 tokens
     # each. A failure names the draw; MOESTREAM_SEED replays it.
     import random
@@ -969,9 +969,9 @@ def test_fp8_l1_split_rule(tokens, top_k, experts, tiles, programs, want):
 
 
 def test_for_call_splits_the_fp8_decode_l1_only_where_it_splits():
-    # session 29 (one H200): the fp8 L1 with its split form in it runs unsplit tiles slower,
-    # so for_call launches it only where a call's expected tiles split; bf16 keeps 4 in
-    # every decode call (its split kernel costs nothing unsplit, session 22)
+    # the fp8 L1 with its split form in it runs unsplit tiles slower, so for_call launches it
+    # only where a call's expected tiles split; bf16 keeps 4 in every decode call (its split
+    # kernel costs nothing unsplit)
     from dataclasses import replace as dc_replace
     cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=256)
     got = {}
@@ -1001,7 +1001,7 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
     assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
     # bf16 decode launches claim their GEMM tickets (a hot expert's block of several pieces
-    # holds one program up); larger calls deal them round-robin (session 25)
+    # holds one program up); larger calls deal them round-robin
     assert t.gemm_claim and not stages.Tuning.for_call(buf, 4096).gemm_claim
     for fmt in ("fp8", "fp4w"):   # fp8: in decode only; fp4w (a piece per 64 rows): always
         q = SymmBuffer(cfg.with_(dtype=fmt), num_ranks=2, device="cpu")
@@ -1026,7 +1026,7 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     assert (f.dispatch_tile, f.hidden_chunk) == (8, 1024)   # 2048 x 8 picks: 8-token tiles
     assert stages.fused_tuning(buf, 512).dispatch_tile == 4
     # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM, split-K parts
-    # fill them: two programs per SM as elsewhere (session 24)
+    # fill them: two programs per SM as elsewhere
     mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
                      device="cpu")
     mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
@@ -1080,7 +1080,7 @@ def test_for_call_sizes_dispatch_tiles_and_l1_groups(shape, tokens, tile, group)
         t = stages.Tuning.for_call(buf, tokens)
         want = tile or stages.Tuning.for_buffer(buf).dispatch_tile   # Hopper's is 4
         assert (t.dispatch_tile, t.l1_group_m) == (want, group), dtype
-        # the fused launch keeps the 8-token tickets (session 16), else its own 4
+        # the fused launch keeps the 8-token tickets, else its own 4
         assert stages.fused_tuning(buf, tokens).dispatch_tile == (tile or 4), dtype
         buf.destroy()
     # fp4w: never grouped (its L1 is bound by the in-kernel weight decode)

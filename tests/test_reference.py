@@ -12,7 +12,8 @@ from moestream.testing import make_routing, make_tokens, make_weights, rel_error
 
 
 def literal_layer(x, idx, w, w13, w2):
-    """DESIGN.md section 1 written out token by token in fp64."""
+    """The layer's definition (sum over picks of weight * w2 @ silu(gate) * up) written out
+    token by token in fp64."""
     I = w13.shape[1] // 2
     y = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
@@ -134,9 +135,8 @@ def test_route_bad_input(gen, kwargs, message):
 def test_skewed_routing_has_one_hot_expert_and_random_rest(gen, T, E, K, skew):
     # make_routing(skew=s): expert 0 takes s of all picks (at most one per token, so 1/K at
     # most) besides its uniform share, and the other picks stay spread like uniform routing's.
-    # Before session 24 a hot token's logit of 1e4 zeroed every other probability, so each hot
-    # token took the same K experts: caught here by the distinct other-expert sets and their
-    # spread
+    # A hot logit so large that it zeroes every other probability would make each hot token
+    # take the same K experts: caught here by the distinct other-expert sets and their spread
     idx, w = make_routing(T, E, K, generator=gen, skew=skew)
     share = (idx == 0).sum().item() / idx.numel()
     hot_tokens = min(1.0, skew * K)     # plus the other tokens' uniform chance of expert 0

@@ -103,8 +103,8 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
 def test_buffer_rows_move_in_vectors(compiled_rows):
     # every buffer address comes from an int64 table (kernels/_common.peer_ptr): unless the
     # compiler is told the regions are 16-byte aligned, each row copy (dispatch, combine,
-    # the GEMM epilogues, publish) compiles to one 1- or 2-byte access per value (session 20:
-    # 1.2x slower fused calls). No layer kernel, in any mode, may have such an access.
+    # the GEMM epilogues, publish) compiles to one 1- or 2-byte access per value (slower
+    # calls). No layer kernel, in any mode, may have such an access.
     narrow = {r["kernel"]: r["narrow_global"] for r in compiled_rows if r["narrow_global"]}
     assert not narrow, narrow
 
@@ -144,7 +144,7 @@ def test_resident_programs_of_the_staged_gemms(compiled, compiled_fp8, compiled_
     bf16 L2 where hidden is no multiple of 256 (128x128, 4 warps, ~100 KB) and the fp8 L2 at a
     short K (64-row pieces, 4 warps, 82 KB) two, so that one's epilogue overlaps the other's
     MMAs. No L2 spills. A grid twice the SM count for a kernel one SM holds once runs
-    as two passes one after another (benchmarks/NOTES.md, session 5)."""
+    as two passes one after another."""
     from moestream.stages import resident_per_sm
 
     def fit(row):
@@ -166,7 +166,7 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
     # spill in the K loops; every decode GEMM fits two programs per SM (the fp8 L1, 128
     # wide: one scale group, in 3 stages). The fp8 L1, at 255 registers, keeps 8 B of stack
     # outside its K loops (two values per block) since the GEMMs take their block count
-    # and meta from the host's base address (session 27); the others none
+    # and meta from the host's base address; the others none
     from moestream.stages import resident_per_sm
     want_fit = {("l1_kernel", "bf16"): 2, ("l2_kernel", "bf16"): 2,
                 ("l1_kernel", "fp8"): 2, ("l2_kernel", "fp8"): 2}
@@ -236,8 +236,7 @@ def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_f
         mma = "e4m3_gmma" if dtype == "fp8" else "hgmma"
         assert row[mma] > base[mma] > 0 and row["hmma"] == 0, row
         # no spill inside the K loops, and little outside them: the fp8 L1 keeps 24 B of
-        # stack outside its loops, as before session 25, when a reordering of the ticket
-        # arithmetic took the kernel without pieces from 56 B to 8 B
+        # stack outside its loops (the kernel without pieces 8 B)
         assert all(lp["local_ops"] == 0 for lp in row["loops"] if lp["mma"]), row["loops"]
         assert row["stack_bytes"] <= max(base["stack_bytes"], 32), (row, base)
         assert fit(row) >= fit(base), (row, base)
@@ -275,9 +274,9 @@ def test_fp4w_layer_gemms(compiled_fp4w):
 
 def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows):
     # the fp8 decode L1's split-K parts (Tuning.l1_split_k) in both load forms compile, with
-    # e4m3 warpgroup MMAs only and no spill in the K loops. The pointer form once failed to
-    # compile for the GPU (the bf16 part was compiled into the fp8 kernel) while the
-    # interpreter ran it (benchmarks/NOTES.md, session 29)
+    # e4m3 warpgroup MMAs only and no spill in the K loops. The pointer form can fail to
+    # compile for the GPU (if the bf16 part is compiled into the fp8 kernel) while the
+    # interpreter runs it
     rows = {label(r): r for r in compiled_rows
             if r["name"] == "l1_kernel" and label(r).startswith("fp8 decode split")}
     assert set(rows) == {"fp8 decode split", "fp8 decode split ptr"}, sorted(rows)
@@ -303,7 +302,7 @@ def test_gemm_k_loops_do_not_spill(compiled_rows):
     # epilogue too): none of the staged or fused bf16 / fp8 GEMMs, in any launch form compiled
     # above, touches local memory inside them. A spill outside (the fp8 L1's 32 B, the fused
     # kernel's) costs per tile, one inside per K step. fp4w's 64-row pieces are the known
-    # exception (benchmarks/NOTES.md, session 11), reported in the message if they change.
+    # exception, reported in the message if they change.
     gemms = [r for r in compiled_rows if r["name"] in ("l1_kernel", "l2_kernel", "fused_kernel")]
     assert len(gemms) >= 20
     for r in gemms:

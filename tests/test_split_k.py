@@ -207,8 +207,8 @@ def test_split_k_must_be_a_power_of_two_up_to_16(field):
 @pytest.mark.parametrize("shape", ["mixtral", "qwen3", "dsv3"])
 def test_fused_decode_runs_two_programs_per_sm(shape):
     # the fused launch's GPU defaults in decode pieces: two programs per SM at every shape,
-    # mixtral's few long L2 tiles included now that they split (stages.for_fused; one
-    # program per SM there was 15 % slower at 8 tokens on 2x H200, session 24); larger
+    # mixtral's few long L2 tiles included, since they split (stages.for_fused; one program
+    # per SM there is slower); larger
     # calls keep one (their L1 tiles are 8-warp 128x256)
     from types import SimpleNamespace
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64)
