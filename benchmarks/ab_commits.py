@@ -1,6 +1,6 @@
 """A/B of the working tree against an earlier commit in one device call, runs in the order
-base, new, new, base (ABBA) so that power capping, which favours whichever runs first
-(benchmarks/NOTES.md, session 19), weighs on both sides alike.
+base, new, new, base (ABBA) so that power capping, which favours whichever runs first,
+weighs on both sides alike.
 
 On the CPU machine, copy the commit's package to benchmarks/.ab/<commit>/ (ignored by git:
 hand it to the device tool's ``carry``, e.g. carry=["benchmarks/.ab"]):
@@ -13,10 +13,9 @@ On the device machine (the arguments after ``--`` go to ``moestream bench``, wit
         --shapes qwen3,dsv3 --tokens 2048,8192 --providers staged-graph,fused-graph
 
 Each base run starts in the base's own folder: ``python -m`` puts the current directory
-first on sys.path, so PYTHONPATH alone would import the working tree's package (what session
-20's call 4 did). Every run prints the file its moestream came from. The rows get a ``code``
-field ("base <commit>" or "new") and ``ab_run`` (0-3); the table gives the median of each
-side's medians and new / base.
+first on sys.path, so PYTHONPATH alone would import the working tree's package. Every run
+prints the file its moestream came from. The rows get a ``code`` field ("base <commit>" or
+"new") and ``ab_run`` (0-3); the table gives the median of each side's medians and new / base.
 """
 from __future__ import annotations
 
@@ -84,7 +83,7 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
     """``moestream bench`` with ``bench_args`` four times (ORDER), the base from
     ``into``/<commit>; each run's rows (with ``code`` and ``ab_run``) are appended to ``out``
     as soon as it ends. Each run is a fresh process (its own start-up and kernel compiles:
-    about 90 s for two shapes on a fresh H200 machine, session 21)."""
+    about 90 s for two shapes on a fresh H200 machine)."""
     base = into / commit
     if not (base / "moestream").is_dir():
         raise ValueError(f"{base}/moestream is missing: run 'ab_commits.py prepare {commit}' "

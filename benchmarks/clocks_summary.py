@@ -2,7 +2,7 @@
 the lowest SM clock, the highest power draw and the throttle reasons seen, for the seconds in
 which some GPU drew more than --watts (busy seconds only).
 
-    python benchmarks/clocks_summary.py benchmarks/results/session14/clocks_call1.csv
+    python benchmarks/clocks_summary.py $OUT/clocks.csv
 
 Reasons are nvidia-smi's clocks_event_reasons bits: 0x1 idle, 0x4 software power cap,
 0x20 software thermal slowdown, 0x40 hardware thermal slowdown, 0x80 hardware power brake.

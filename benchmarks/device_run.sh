@@ -95,8 +95,8 @@ if has ncu; then
   # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item
   # shape:M:variant, the L1 and the L2 launch after the bench's 5 warm-up calls; "torch" as the
   # variant profiles two of torch._grouped_mm's launches instead: its prepare_grouped_gemm_data
-  # kernel and its L1 GEMM, as seen in session 12). Clocks stay as they are
-  # (--clock-control none: ../shared METHOD.md). Reports: $OUT/ncu_<item>.csv (raw page).
+  # kernel and its L1 GEMM). Clocks stay as they are (--clock-control none: the clocks the
+  # benchmarks run at). Reports: $OUT/ncu_<item>.csv (raw page).
   NCU=${NCU_BIN:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
   echo "ncu: $NCU" | tee "$OUT/ncu.log"
   "$NCU" --query-metrics --chip gh100 2>&1 | grep -i -E 'gmma|tensor|lts__t_(bytes|sectors)' > "$OUT/ncu_metrics_tensor.txt"

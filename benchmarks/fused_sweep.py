@@ -5,7 +5,7 @@ launch's default for the call (``stages.fused_default``), written as ``NAME:fiel
 (the ``--tuning`` syntax of ``moestream bench``). Two names are built in: ``default`` (no
 overrides) and ``staged`` (the staged path with its own default, for reference in the same
 process). Every point is checked against the first variant's output (bf16 tolerance) before
-it is timed as CUDA-graph replays (BENCHMARKS.md protocol: warm-up, median of >= 20 calls,
+it is timed as CUDA-graph replays (``moestream.bench`` protocol: warm-up, median of >= 20 calls,
 inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: many variants
 cost one start-up.
 

@@ -8,8 +8,8 @@ two programs per SM, tiles dealt round-robin), which bounds that access pattern.
 ``--tile-forms`` adds other forms of that read (``TILE_FORMS``: four programs per SM,
 K-block-major boxes, pointer loads), ``--mma-tiles`` the same walk with the decode L2's MMA
 (``mma-tiles``) and with its stores (``mma-tiles-store``; ``mma-tiles-store-el``: stored at L2
-evict_last priority, as the decode L2 stores its slots since session 31): what the L2's MMA
-and its output cost on top of its reads (benchmarks/NOTES.md, sessions 28 and 31).
+evict_last priority, as the decode L2 stores its slots): what the L2's MMA and its output
+cost on top of its reads.
 
 bf16 and fp8 variants (fp8: weight bytes are the e4m3 values). One GPU, one virtual rank, E
 experts of M rows each (the GEMM bench's pool; at M <= 128 one
@@ -17,7 +17,7 @@ m-block per expert, so k blocks = k experts' tiles). The count the kernels read
 (``block_start[E/R]``) is set to k before each timing, so one compile serves every k. The
 protocol is the GEMM bench's (``moestream.bench.time_cuda``, queue-ahead). A line through
 the points gives each launch's fixed cost (the intercept) and its streaming rate (the
-slope, in weight bytes): benchmarks/NOTES.md, session 22.
+slope, in weight bytes).
 
     PYTHONPATH=. python3 benchmarks/launch_floor.py --shape qwen3 --variants dec16,dec16-devdesc \\
         --out rows.jsonl --plot floor.png

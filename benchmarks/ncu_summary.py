@@ -6,7 +6,7 @@ instruction (``barrier``: warps held at __syncthreads; ``long_scoreboard``: wait
 global/local load; ``wait``: fixed-latency dependencies; ``gmma``: waiting on a warpgroup
 MMA).
 
-    python benchmarks/ncu_summary.py benchmarks/results/session12/ncu_*.csv
+    python benchmarks/ncu_summary.py $OUT/ncu_*.csv
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The plots of docs/streaming.md, from committed measurements (no GPU needed).
 
     python benchmarks/plot_streaming.py \
-        --calib benchmarks/results/session3/calib_probe_quick.json \
-        --rows benchmarks/results/session3/ep_final.jsonl --out docs/img
+        --calib tests/data/calib_probe_quick.json \
+        --rows tests/data/ep_final.jsonl --out docs/img
 
 bandwidth_vs_size.png   peer link rate of host-issued copies vs size, and of device-pulled
                         rows (one row per program, the token-granular pull) vs row size

@@ -4,8 +4,7 @@ For each shape and token count, on one GPU with two virtual ranks (an EP2 rank's
 ``stages.publish`` (copy x and the picks into the buffer, number every expert's picks, zero
 the counters), ``stages.pick_slots`` (the numbering alone, the same ``number_picks`` loop in a
 launch of its own) and a plain device copy of x. Each is timed as a CUDA graph of 10 launches,
-median of 20 replays (µs per launch). Session 13 (benchmarks/NOTES.md) found the publish launch
-at 92 µs on qwen3 dims at 8192 tokens against 27 µs of numbering and 18 µs of copy.
+median of 20 replays (µs per launch): the launch's cost against the sum of its parts.
 
     PYTHONPATH=. python benchmarks/publish_probe.py --out benchmarks/results/publish.json
 """
