@@ -660,9 +660,9 @@ def test_one_dot_l1_from_two_m_blocks_per_expert():
 
 
 @pytest.mark.parametrize("shape, stages_l1", [
-    ("dsv3", 3),      # hidden 7168: the layer at 256 / 512 rows per expert 3 / 5-8 % faster
+    ("dsv3", 3),      # hidden 7168: faster at 256 / 512 rows per expert
     ("mixtral", 3),   # hidden 4096 (the threshold)
-    ("qwen3", None),  # hidden 2048: 1.2-1.9 % slower at 256 rows, so l1_stages (4)
+    ("qwen3", None),  # hidden 2048: slower at 256 rows, so l1_stages (4)
 ])
 def test_one_dot_l1_runs_three_stages_where_hidden_is_long(shape, stages_l1):
     # Tuning.for_call sets l1_one_dot_stages by the L1's K (hidden) in whole-tile calls (a
@@ -1032,7 +1032,7 @@ def test_for_call_turns_decode_pieces_on_for_decode_calls():
     mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
     f = stages.fused_tuning(mix, 8)
     assert (f.decode_rows, f.fused_per_sm) == (16, 2)
-    # I = 14336: the L2's K loop is long, its tickets stay one block (grouping measured +1 %)
+    # I = 14336: the L2's K loop is long, its tickets stay one block (grouping does not pay)
     assert stages.fused_tuning(mix, 2048).fused_l2_group == 1
     mix.destroy()
     # combine tasks split into column parts until they cover the SMs: 128 tokens in tasks of
