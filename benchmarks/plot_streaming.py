@@ -72,8 +72,8 @@ def time_vs_granularity(rows: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calib", default="benchmarks/results/session3/calib_probe_quick.json")
-    p.add_argument("--rows", default="benchmarks/results/session3/ep_final.jsonl")
+    p.add_argument("--calib", default="tests/data/calib_probe_quick.json")
+    p.add_argument("--rows", default="tests/data/ep_final.jsonl")
     p.add_argument("--out", default="docs/img")
     a = p.parse_args()
     out = Path(a.out)

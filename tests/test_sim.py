@@ -678,7 +678,7 @@ from moestream.sim.fused import (COMBINE_TILE, DISPATCH_TILE, EXPERT_CHUNK_TOKEN
                                  fused_tuning, launch_claims, simulate_fused)
 
 FUSED_CAL = Calibration.load(ROOT / "moestream" / "data" / "calib_h200x2_fused.json")
-SESSION3 = ROOT / "benchmarks" / "results" / "session3"
+DATA = ROOT / "tests" / "data"
 
 
 def _fused_cal(**changes) -> Calibration:
@@ -951,10 +951,10 @@ def test_fused_cli_and_compare(capsys):
 
 def test_derive_reproduces_the_packaged_fused_calibration():
     from moestream.sim.derive import derive_fused, fixed_cost, load_trace
-    probe = Calibration.load(SESSION3 / "calib_probe_quick.json")
-    traces = [load_trace(SESSION3 / f"trace_qwen3_8192_{g}.json.gz") for g in ("token", "128")]
+    probe = Calibration.load(DATA / "calib_probe_quick.json")
+    traces = [load_trace(DATA / f"trace_qwen3_8192_{g}.json.gz") for g in ("token", "128")]
     fk = derive_fused(traces, calib=probe,
-                      gemm_sweep=load_rows(ROOT / "benchmarks/results/gemm_sweep_h200.jsonl"))
+                      gemm_sweep=load_rows(DATA / "gemm_sweep_h200.jsonl"))
     want = FUSED_CAL.fused
     for name in ("l1_tflops_per_sm", "l1_fixed_us", "l2_tflops_per_sm", "l2_fixed_us",
                  "dispatch_local_gbps", "dispatch_remote_read_gbps", "combine_gbps",
@@ -964,7 +964,7 @@ def test_derive_reproduces_the_packaged_fused_calibration():
     per_prog = fk["derivation"]["probe_by_programs_peer_gbps_per_program"]["32"]
     assert abs(fk["dispatch_remote_read_gbps"] / per_prog - 1) < 0.1
     cal = replace(probe, fused=FusedKernelCalib.from_dict(fk))
-    fc = fixed_cost(cal, load_rows(SESSION3 / "ep_final.jsonl"))
+    fc = fixed_cost(cal, load_rows(DATA / "ep_final.jsonl"))
     assert fc["graph"] == pytest.approx(want.call_fixed_us["graph"], rel=1e-9)
     assert len(fc["rows"]) == 6
 
@@ -972,8 +972,8 @@ def test_derive_reproduces_the_packaged_fused_calibration():
 def test_fused_validation_of_the_final_ep_rows():
     """The table of docs/simulator.md "Validation": the fused model against the final EP2
     rows with the probe calibration (the 1-token rows are calibration points)."""
-    rows = load_rows(SESSION3 / "ep_final.jsonl")
-    out = validate(rows, calib=SESSION3 / "calib_probe_quick.json")
+    rows = load_rows(DATA / "ep_final.jsonl")
+    out = validate(rows, calib=DATA / "calib_probe_quick.json")
     fused = [r for r in out if r["execution"] == "fused"]
     assert len(fused) == 24 and all(r["provider"] != "staged-graph" for r in fused)
     assert sum(r["calibration_point"] for r in fused) == 6
