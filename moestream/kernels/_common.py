@@ -37,8 +37,9 @@ from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa
                                          globaltimer)
 
 if INTERPRET:
-    from ._interpret import (enable_overflow_checks, skip_discarded_overflow_checks,
-                             skip_repeated_patches)
+    from ._interpret import (enable_overflow_checks, index_scalars_with_item,
+                             skip_discarded_overflow_checks, skip_repeated_patches)
+    index_scalars_with_item()
     skip_repeated_patches()
     if os.environ.get("MOESTREAM_INTERPRET_CHECKS") == "1":
         enable_overflow_checks()

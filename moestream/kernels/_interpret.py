@@ -1,6 +1,11 @@
-"""Triton's interpreter without two costs that change nothing it computes (CPU runs only).
+"""Triton's interpreter without two costs that change nothing it computes, and with current
+numpy (CPU runs only).
 
 Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERPRET=1:
+
+- ``index_scalars_with_item``: Triton 3.6 turns a scalar used as an index (``range(0, n)``
+  with ``n`` a kernel value) into a Python int with ``int(array)`` on a one-element array,
+  which numpy >= 2.3 refuses; ``.item()`` gives the same int on every numpy.
 
 - ``skip_repeated_patches``: Triton 3.6 patches the language modules (``_patch_lang``: every
   builtin of ``tl``, ``tl.tensor`` and ``tl.math`` replaced by an interpreted one, found with
@@ -24,7 +29,28 @@ import dataclasses
 
 import triton.language as tl
 
-__all__ = ["skip_repeated_patches", "skip_discarded_overflow_checks", "enable_overflow_checks"]
+__all__ = ["index_scalars_with_item", "skip_repeated_patches", "skip_discarded_overflow_checks",
+           "enable_overflow_checks"]
+
+
+def index_scalars_with_item() -> bool:
+    """Make the interpreter's ``tensor.__index__`` read its one-element array with ``.item()``
+    (once). False where this Triton has no ``_patch_lang_tensor`` to wrap."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return False
+    if getattr(original, "_moestream_wrapped", False):
+        return True
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor._moestream_wrapped = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
 
 
 def _patched(lang) -> bool:
