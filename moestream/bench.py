@@ -12,10 +12,13 @@ Floors (per rank, EP over R ranks, uniform routing), see ``floors``:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +30,8 @@ from .config import SHAPES, MoEConfig
 
 __all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
            "routing_floors", "expected_touched_experts", "result_row", "append_rows",
-           "load_rows", "print_table", "plot_rows"]
+           "update_rows", "load_rows", "machine_label", "results_path", "print_table",
+           "plot_rows"]
 
 # Rates measured on a 2x H200 SXM (NV18) node; the floors' default calibration.
 DEFAULT_CALIB: dict[str, float] = {
@@ -49,10 +53,13 @@ _BYTES: dict[str, dict[str, float]] = {
 FLOOR_DTYPES = tuple(_BYTES)
 
 # Keys every result row carries, in the order rows are written.
-ROW_KEYS = ("gpu", "num_gpus", "torch", "triton", "date", "shape", "ranks", "tokens_per_rank",
-            "dtype", "provider", "median_us", "p20_us", "p80_us", "tflops_per_gpu", "link_gbps",
-            "floor_us", "efficiency")
-_AUTO_KEYS = ("gpu", "torch", "triton", "date")
+ROW_KEYS = ("gpu", "num_gpus", "torch", "triton", "commit", "date", "shape", "ranks",
+            "tokens_per_rank", "dtype", "provider", "median_us", "p20_us", "p80_us",
+            "tflops_per_gpu", "link_gbps", "floor_us", "efficiency")
+_AUTO_KEYS = ("gpu", "torch", "triton", "commit", "date")
+# What makes two rows the same measurement point (``update_rows`` keeps the newer one).
+POINT_KEYS = ("shape", "experts", "ranks", "phase", "tokens_per_rank", "tokens_per_expert",
+              "kernel", "dtype", "provider", "routing", "block_m", "tuning")
 _REQUIRED_KEYS = ("shape", "ranks", "tokens_per_rank", "dtype", "provider", "median_us",
                   "p20_us", "p80_us")
 
@@ -325,6 +332,24 @@ def routing_floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *,
 
 # ---- result rows -------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
+def _commit() -> str | None:
+    """The measured code's commit: ``MOESTREAM_COMMIT`` if set (a copy of the tree without
+    .git), else git's short hash of this checkout, "-dirty" when moestream/ has changes."""
+    if os.environ.get("MOESTREAM_COMMIT"):
+        return os.environ["MOESTREAM_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--", "moestream") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _auto_fields() -> dict[str, Any]:
     try:
         import triton
@@ -335,7 +360,7 @@ def _auto_fields() -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(0)
     else:
         gpu = f"cpu ({platform.processor() or platform.machine() or 'unknown'})"
-    return dict(gpu=gpu, torch=torch.__version__, triton=triton_version,
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton_version, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -343,10 +368,11 @@ def result_row(**fields: Any) -> dict[str, Any]:
     """One result row with the protocol's keys (``ROW_KEYS``), then any extra fields.
 
     Required: shape, ranks, tokens_per_rank, dtype, provider, median_us, p20_us, p80_us.
-    Filled automatically unless given: gpu, torch, triton, date; num_gpus (= ranks); and,
-    when ``shape`` is a name in SHAPES: tflops_per_gpu (6*T*K*H*I / median), link_gbps (the
-    remote bytes of the link floor / median), floor_us (``floors`` with default touched
-    experts). efficiency = floor_us / median_us unless given.
+    Filled automatically unless given: gpu, torch, triton, commit, date; num_gpus (= ranks);
+    and, when ``shape`` is a name in SHAPES: tflops_per_gpu (6*T*K*H*I / median), link_gbps
+    (the remote bytes of the link floor / median), floor_us (``floors`` with default touched
+    experts; an ``experts`` field replaces the shape's expert count). efficiency = floor_us /
+    median_us unless given.
     """
     missing = [k for k in _REQUIRED_KEYS if k not in fields]
     if missing:
@@ -364,9 +390,11 @@ def result_row(**fields: Any) -> dict[str, Any]:
         if row["dtype"] not in _BYTES:
             raise ValueError(f"dtype {row['dtype']!r} has no floor model (known: "
                              f"{FLOOR_DTYPES}), so pass tflops_per_gpu, link_gbps, floor_us")
-        H, I, E, K = _shape_dims(row["shape"])
+        dims = {**SHAPES[row["shape"]], **({"num_experts": row["experts"]}
+                                           if row.get("experts") else {})}
+        H, I, E, K = _shape_dims(dims)
         T, R = row["tokens_per_rank"], row["ranks"]
-        fl = floors(row["shape"], tokens_per_rank=T, ranks=R, dtype=row["dtype"])
+        fl = floors(dims, tokens_per_rank=T, ranks=R, dtype=row["dtype"])
         b = _BYTES[row["dtype"]]
         row.setdefault("tflops_per_gpu", 6.0 * T * K * H * I / (median * 1e-6) / 1e12)
         row.setdefault("link_gbps", fl["remote_pairs"] * H * (b["dispatch"] + b["combine"])
@@ -387,6 +415,44 @@ def append_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
             f.write(json.dumps(dict(row)) + "\n")
             n += 1
     return n
+
+
+def _point(row: Mapping[str, Any]) -> str:
+    return json.dumps([row.get(k) for k in POINT_KEYS], sort_keys=True)
+
+
+def update_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Write ``rows`` into the canonical results file ``path``: a row replaces the file's row
+    of the same point (``POINT_KEYS``: shape, ranks, tokens, dtype, provider, ...), others are
+    kept in their order and new points go last. Returns the rows written."""
+    path = Path(path)
+    new = [dict(r) for r in rows]
+    fresh = {_point(r) for r in new}
+    old = [r for r in load_rows(path) if _point(r) not in fresh] if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in old + new:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+    return len(new)
+
+
+def machine_label(num_gpus: int | None = None) -> str:
+    """The results folder of this machine: the GPU's model in lower case, ``x<N>`` for N > 1
+    GPUs (``h200``, ``h200x2``), or ``cpu``."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    n = torch.cuda.device_count() if num_gpus is None else num_gpus
+    name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").split()
+    model = next((w for w in name if any(c.isdigit() for c in w)), name[-1] if name else "gpu")
+    return model + (f"x{n}" if n > 1 else "")
+
+
+def results_path(benchmark: str, *, num_gpus: int | None = None,
+                 root: str | Path = "benchmarks/results") -> Path:
+    """``<root>/<machine>/<benchmark>.jsonl``: one canonical file per benchmark and machine."""
+    return Path(root) / machine_label(num_gpus) / f"{benchmark}.jsonl"
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -416,34 +482,36 @@ _DEFAULT_COLUMNS = [("shape", "shape", 0), ("ranks", "R", 0), ("tokens_per_rank"
                     ("efficiency", "eff", 2)]
 
 
+# Columns that name a point: repeated in each part of a table split to fit the console.
+_POINT_COLUMNS = ("shape", "ranks", "tokens_per_rank", "tokens_per_expert", "kernel", "phase",
+                  "dtype", "provider")
+
+
 def print_table(rows: Sequence[Mapping[str, Any]], title: str = "", *,
                 columns: Sequence[str] | None = None, console: Any = None) -> Any:
-    """Print rows as a rich table (one line per row, in the given order); returns the Table.
+    """Print rows as rich tables, in the given order; returns the (first) Table.
 
     ``columns``: row keys to show (default: the protocol's main ones); keys naming an error or
-    a difference print in scientific notation, other unknown keys with 2 decimals.
-    ``console``: a ``rich.console.Console`` to print to (default: one on stdout, at least 132
-    columns wide so no number is cut when the output is piped).
+    a difference print in scientific notation, other unknown keys with 2 decimals. No cell is
+    ever cut: where the columns do not fit the console, they are printed as several tables,
+    each repeating the columns that name the point (shape, tokens, provider, ...).
+    ``console``: a ``rich.console.Console`` to print to (default: the terminal's width).
     """
-    from rich.console import Console
-    from rich.table import Table
+    from .terminal import console as make_console
+    from .terminal import print_table as print_columns
 
-    table = Table(title=title or None)
     known = {key: (header, digits) for key, header, digits in _DEFAULT_COLUMNS}
     if columns is None:
         columns = _DEFAULT_COLUMNS
     else:
         columns = [(k, *known.get(k, (k, -1 if "error" in k or "diff" in k else 2))) for k in columns]
-    for key, header, _ in columns:
-        table.add_column(header, no_wrap=True,
-                         justify="left" if key in ("shape", "dtype", "provider") else "right")
-    for row in rows:
-        table.add_row(*(_fmt(row.get(key), digits) for key, _, digits in columns))
-    if console is None:
-        console = Console()
-        console.width = max(console.width, 132)
-    console.print(table)
-    return table
+    text = ("shape", "dtype", "provider", "phase", "kernel")
+    tables = print_columns(
+        console or make_console(), title=title or None,
+        columns=[(h, "left" if k in text else "right") for k, h, _ in columns],
+        rows=[[_fmt(row.get(k), digits) for k, _, digits in columns] for row in rows],
+        keys=[i for i, (k, _, _) in enumerate(columns) if k in _POINT_COLUMNS])
+    return tables[0]
 
 
 def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
@@ -453,6 +521,8 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
 
     Lines are keyed by provider, plus ranks and dtype when the rows mix several.
     """
+    from .terminal import require
+    require("matplotlib", extra="plot", why="the benchmark's PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -467,6 +537,8 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
         return (str(r["provider"]) + (f" EP{r['ranks']}" if many_ranks else "")
                 + (f" {r['dtype']}" if many_dtypes else ""))
 
+    # one colour per line across the subplots
+    colour = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(map(label, rows)))}
     fig = Figure(figsize=(4.5 * len(shapes), 4.0), constrained_layout=True)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(shapes), squeeze=False)[0]
@@ -480,11 +552,12 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
             lines[label(r)].append(r)
             if r.get("floor_us"):
                 floor_pts.setdefault(r["tokens_per_rank"], r["floor_us"])
-        for name, pts in lines.items():
+        for name, pts in sorted(lines.items(), key=lambda kv: list(colour).index(kv[0])):
             pts.sort(key=lambda r: r["tokens_per_rank"])
             t = [r["tokens_per_rank"] for r in pts]
-            ax.plot(t, [r["median_us"] for r in pts], marker="o", label=name)
-            ax.fill_between(t, [r["p20_us"] for r in pts], [r["p80_us"] for r in pts], alpha=0.2)
+            ax.plot(t, [r["median_us"] for r in pts], marker="o", label=name, color=colour[name])
+            ax.fill_between(t, [r["p20_us"] for r in pts], [r["p80_us"] for r in pts], alpha=0.2,
+                            color=colour[name])
         if floor_pts:
             t = sorted(floor_pts)
             ax.plot(t, [floor_pts[x] for x in t], linestyle="--", color="grey", label="floor")

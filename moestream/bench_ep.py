@@ -291,6 +291,8 @@ def plot_stages(rows: Sequence[dict], path) -> None:
     """Save a PNG: one panel per shape (each with its own µs axis, so decode and prefill
     points stay readable), one horizontal bar per (provider, tokens) row that has
     ``stages_us``, split into its stages in ``stages.STAGES`` order."""
+    from .terminal import require
+    require("matplotlib", extra="plot", why="the stage breakdown PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -338,9 +340,9 @@ def _capture(sets, fn) -> list:
 def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
                     providers: Sequence[str], reps: int, warmup: int, skew: float | None,
                     seed: int, tuning: dict | None = None,
-                    block_m: int | None = None) -> list[dict]:
+                    config: dict | None = None) -> list[dict]:
     """Runs on every rank (spawned, one per GPU). Returns rank 0's rows (others: []).
-    ``block_m``: the layer's block_m instead of the shape's (``MoEConfig``)."""
+    ``config``: ``MoEConfig`` fields that replace the shape's (block_m, num_experts)."""
     import torch.distributed as dist
 
     from . import MoEConfig, SymmBuffer, mega_moe, stages
@@ -352,14 +354,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     rows: list[dict] = []
     progress = None
     if rank == 0:
-        from rich.progress import Progress
-        progress = Progress()
+        from .terminal import progress as make_progress
+        progress = make_progress()
         progress.start()
         task = progress.add_task("ep bench", total=len(shapes) * len(tokens))
     try:
         for shape in shapes:
-            cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens),
-                                       **({"block_m": block_m} if block_m else {}))
+            cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), **(config or {}))
             data = list(_weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew))
             w13, w2 = data[0][:2]
             ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
@@ -460,6 +461,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
                             p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                             routing="skewed" if skew else "uniform", block_m=cfg.block_m,
+                            **({"experts": cfg.num_experts} if "num_experts" in (config or {})
+                               else {}),
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < bound),
                             **({} if skew_floor is None else
@@ -534,7 +537,8 @@ def _weights_and_inputs(cfg, world: int, rank: int, seed: int, tokens: Sequence[
 
 
 def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
-                      reps: int, warmup: int, skew: float | None, seed: int) -> list[dict]:
+                      reps: int, warmup: int, skew: float | None, seed: int,
+                      config: dict | None = None) -> list[dict]:
     """The torch-symm provider on every rank (its own processes: NVSHMEM owns their symmetric
     memory). One context per token count (its static shapes scale with it). Rank 0's rows."""
     import torch.distributed as dist
@@ -549,7 +553,7 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
     torch.cuda.set_device(dev)
     rows: list[dict] = []
     for shape in shapes:
-        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens))
+        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), **(config or {}))
         E = cfg.num_experts
         for w13, w2, T, sets in _weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew):
             skew_floor = _routing_floor(cfg, sets, world) if skew else None
@@ -574,6 +578,7 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
                     p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                     routing="skewed" if skew else "uniform", rel_diff_vs_torch=err,
                     agrees=bool(err < 2 * TOLERANCE["bf16"]),
+                    **({"experts": E} if "num_experts" in (config or {}) else {}),
                     **({} if skew_floor is None else
                        {"floor_us": skew_floor("bf16"), "floor_from": "routing"})))
                 print(f"{shape} T={T} torch-symm: {stats['median_us']:.1f} us "
@@ -586,33 +591,38 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
                  providers: Sequence[str] = PROVIDERS, world: int | None = None, reps: int = 20,
                  warmup: int = 5, skew: float | None = None, seed: int = 0,
                  timeout_s: float = 3000, tuning: dict | None = None,
-                 block_m: int | None = None) -> list[dict]:
+                 block_m: int | None = None, experts: int | None = None) -> list[dict]:
     """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank).
     ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
     ``block_m``: our layer's m-block rows instead of the shape's default (rows carry
-    ``block_m``; the torch providers do not use it). ``skew``: the hot expert's share of
-    picks (``testing.make_routing``), in (0, 1]; its rows carry the floor of their routing."""
+    ``block_m``; the torch providers do not use it). ``experts``: the routed experts of every
+    shape instead of its own (e.g. 32 on one GPU: one EP8 rank's share of dsv3; rows carry
+    ``experts``). ``skew``: the hot expert's share of picks (``testing.make_routing``), in
+    (0, 1]; its rows carry the floor of their routing."""
     if skew is not None and (isinstance(skew, bool) or not isinstance(skew, (int, float))
                              or not 0.0 < skew <= 1.0):
         raise ValueError(f"skew is the hot expert's share of picks, in (0, 1]; got {skew!r}")
-    if block_m is not None:   # each shape's config with it: a ValueError before any spawn
-        from .config import MoEConfig
-        for shape in shapes:
-            MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), block_m=block_m)
-    from .distributed import spawn
     check_providers(providers, tuning)
+    config = {**({"block_m": block_m} if block_m is not None else {}),
+              **({"num_experts": experts} if experts is not None else {})}
+    from .config import MoEConfig
+    # every shape's config and its split over the ranks: a ValueError before any spawn
+    cfgs = [MoEConfig.from_shape(s, max_tokens_per_rank=max(tokens), **config) for s in shapes]
     world = world or torch.cuda.device_count()
     if world < 1:
         raise ValueError("the EP benchmark needs at least one CUDA GPU")
+    for cfg in cfgs:
+        cfg.check_ranks(world)
+    from .distributed import spawn
     rows: list[dict] = []
     main = [p for p in providers if p != "torch-symm"]
     if main:
         rows += spawn(bench_ep_worker, world_size=world, backend="nccl",
                       args=(list(shapes), list(tokens), main, reps, warmup, skew, seed,
-                            dict(tuning or {}), block_m),
+                            dict(tuning or {}), config),
                       timeout_s=timeout_s)[0]
     if "torch-symm" in providers:
         rows += spawn(bench_symm_worker, world_size=world, backend="nccl",
-                      args=(list(shapes), list(tokens), reps, warmup, skew, seed),
+                      args=(list(shapes), list(tokens), reps, warmup, skew, seed, config),
                       timeout_s=timeout_s)[0]
     return rows

@@ -2,7 +2,7 @@
 
     moestream bench-layer                                  # Qwen3-MoE layer, every GPU, EP = GPUs
     moestream bench-layer --family mixtral,deepseek_v3 --decode 1,64 --prefill 2048 \\
-        --out benchmarks/results/layer.jsonl --plot benchmarks/results/layer.png
+        --out benchmarks/results/h200x2/hf_layer.jsonl
 
 What is timed: the forward of ONE decoder layer of a transformers model (input RMSNorm,
 transformers' attention with rotary embeddings, residual, post-attention RMSNorm, the sparse MoE
@@ -220,8 +220,8 @@ def bench_layer_worker(rank: int, world: int, spec: dict) -> dict:
     say = print if rank == 0 else (lambda *a, **k: None)
     advance = lambda: None  # noqa: E731
     if rank == 0 and spec.get("progress", True):
-        from rich.progress import Progress
-        progress = Progress()
+        from .terminal import progress as make_progress
+        progress = make_progress()
         progress.start()
         task = progress.add_task("layer bench", total=len(spec["families"]) * len(points))
         say = progress.console.print
@@ -460,12 +460,13 @@ def run_layer_bench(*, families: Sequence[str] = ("qwen3_moe",),
 
 def report(rows: list[dict], *, out: str | None, plot: str | None, console=None,
            title: str = "") -> None:
-    """Append the rows to ``out`` (JSON lines), plot them to ``plot`` (PNG), print the table."""
-    from .bench import append_rows, plot_rows, print_table
+    """Write the rows into ``out`` (JSON lines, ``bench.update_rows``), plot them to ``plot``
+    (PNG), print the table."""
+    from .bench import plot_rows, print_table, update_rows
     show = console.print if console is not None else print
     if out and rows:
-        append_rows(out, rows)
-        show(f"{len(rows)} rows appended to {out}")
+        update_rows(out, rows)
+        show(f"{len(rows)} rows written to {out}")
     if plot and rows:
         plot_rows(rows, plot, title=title)
         show(f"plot saved to {plot}")
@@ -476,60 +477,42 @@ def report(rows: list[dict], *, out: str | None, plot: str | None, console=None,
 
 # ---- command line -------------------------------------------------------------------------
 
-def _csv_ints(s: str) -> list[int]:
-    try:
-        vals = [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return vals
-
-
-def _csv_names(choices: Sequence[str]):
-    def parse(s: str) -> list[str]:
-        vals = [v.strip() for v in s.split(",") if v.strip()]
-        bad = [v for v in vals if v not in choices]
-        if bad or not vals:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list from "
-                                             f"{', '.join(choices)}, got {s!r}")
-        return vals
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``moestream bench-layer``."""
-    p.add_argument("--family", type=_csv_names(FAMILIES), default=["qwen3_moe"],
+    from .terminal import names_from, nonnegative_int, positive_int, positive_ints
+    p.add_argument("--family", type=names_from(FAMILIES), default=["qwen3_moe"],
                    help=f"model families, comma-separated, from {', '.join(FAMILIES)} "
                         f"(default qwen3_moe)")
-    p.add_argument("--decode", type=_csv_ints, default=[1, 8, 32, 64],
+    p.add_argument("--decode", type=positive_ints, default=[1, 8, 32, 64],
                    help="decode batch sizes: [B, 1, H] per rank (default 1,8,32,64)")
-    p.add_argument("--prefill", type=_csv_ints, default=[2048],
+    p.add_argument("--prefill", type=positive_ints, default=[2048],
                    help="prefill lengths: [1, S, H] per rank (default 2048)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode points")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill points")
-    p.add_argument("--providers", type=_csv_names(PROVIDERS), default=list(DEFAULT_PROVIDERS),
+    p.add_argument("--providers", type=names_from(PROVIDERS), default=list(DEFAULT_PROVIDERS),
                    help=f"from {', '.join(PROVIDERS)} (default "
                         f"{','.join(DEFAULT_PROVIDERS)})")
-    p.add_argument("--experts", type=int, default=None,
+    p.add_argument("--experts", type=positive_int, default=None,
                    help="routed experts E (default: the real model's; lower it to fit memory)")
-    p.add_argument("--ranks", type=int, default=None, help="GPUs / EP ranks (default: all)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per point (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks", type=positive_int, default=None,
+                   help="GPUs / EP ranks (default: all)")
+    p.add_argument("--reps", type=positive_int, default=20,
+                   help="timed calls per point (default 20)")
+    p.add_argument("--warmup", type=nonnegative_int, default=5,
+                   help="untimed calls first (default 5)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default=None, help="JSON-lines file the rows are appended to "
-                                               "(default benchmarks/results/layer_<N>gpu.jsonl)")
+                                               "(default benchmarks/results/<machine>/"
+                                               "hf_layer.jsonl)")
     p.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
 
 
 def run_cli(args: argparse.Namespace, console=None) -> int:
     """``moestream bench-layer``: 0 when every point agreed and was timed, 1 when a point's
     variants disagreed, 2 for a usage error or a machine without CUDA."""
-    import shutil
-
     import torch
-    from rich.console import Console
-    con = console or Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
+    from .terminal import console as make_console
+    con = console or make_console()
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         con.print("[red]moestream bench-layer needs CUDA GPUs[/] (none visible); the CPU tests "
                   "(tests/test_integrations_transformers.py) cover its code on tiny models")
@@ -549,7 +532,8 @@ def run_cli(args: argparse.Namespace, console=None) -> int:
         con.print(f"[red]moestream bench-layer: {exc}[/]")
         return 2
     n = torch.cuda.device_count() if args.ranks is None else args.ranks
-    out = args.out or f"benchmarks/results/layer_{n}gpu.jsonl"
+    from .bench import results_path
+    out = args.out or results_path("hf_layer", num_gpus=n)
     report(res["rows"], out=out, plot=args.plot, console=con,
            title=f"one decoder layer, EP{n}, {torch.cuda.get_device_name(0)}")
     for msg in res["failures"]:

@@ -1,11 +1,14 @@
-"""The ``moestream`` command.
+"""The ``moestream`` command. GPU: needs CUDA GPUs. Any: also runs on a CPU, where the
+kernels run in Triton's interpreter (correct, not fast).
 
-    moestream run        the main job: the EP layer on this machine, checked against the reference
-    moestream check      what this install can do (versions, GPUs, symmetric memory)
-    moestream bench      benchmarks: EP layer across all GPUs, or --virtual-ranks R for the GEMMs
-    moestream bench-layer  one transformers MoE decoder layer, original vs moestream experts
-    moestream simulate   the discrete-event model of token vs chunk streaming at scale
-    moestream probe      measure this machine's calibration for the simulator (GPU)
+    moestream run          the layer here, every path checked against the reference (any)
+    moestream check        versions, GPUs and symmetric memory of this install (any)
+    moestream bench        the layer over all GPUs vs all_to_all + grouped GEMM, or the
+                           grouped GEMMs alone with --virtual-ranks (GPU)
+    moestream bench-layer  one transformers MoE decoder layer, its experts vs ours (GPU)
+    moestream trace        the timeline of one fused-kernel call (GPU)
+    moestream probe        this machine's calibration for the simulator (GPU)
+    moestream simulate     the model of token vs chunk streaming at scale (any)
 """
 from __future__ import annotations
 
@@ -15,15 +18,11 @@ import sys
 import time
 from typing import Sequence
 
-__all__ = ["main"]
+from .config import SHAPES
+from .terminal import (MissingExtraError, console as _console, names_from, nonnegative_int,
+                       nonnegative_ints, positive_int, positive_ints, print_table, progress)
 
-
-def _console():
-    import shutil
-
-    from rich.console import Console
-    # tables of results stay readable in logs and narrow terminals
-    return Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
+__all__ = ["main", "build_parser"]
 
 
 # ---- run --------------------------------------------------------------------------------
@@ -103,8 +102,6 @@ def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
 
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
-    from rich.progress import Progress
-    from rich.table import Table
 
     from . import MoEConfig
     from .distributed import spawn
@@ -121,55 +118,55 @@ def cmd_run(args: argparse.Namespace) -> int:
                         max_tokens_per_rank=args.tokens or 24, block_m=16, block_n=64,
                         block_k=64)
     T = cfg.max_tokens_per_rank
-    con.print(f"[bold]moestream run[/]: {'GPU' if gpus else 'CPU'} machine, {R} ranks, "
+    con.print(f"[bold]moestream run[/]: {'GPU' if gpus else 'CPU'}, {R} ranks, "
               f"H={cfg.hidden} I={cfg.intermediate} E={cfg.num_experts} K={cfg.top_k}, "
-              f"{T} tokens per rank, bf16")
-    rows = []
-    tol = TOLERANCE["bf16"]
-    jobs = []
+              f"{T} tokens per rank")
+    jobs = []   # (label, provider, backend): one process per rank
     if gpus:
-        jobs.append(("staged (mega_moe, NCCL ranks)", "staged", "nccl", R))
-        jobs.append(("fused (mega_moe impl='fused', NCCL ranks)", "fused", "nccl", R))
-        jobs.append(("torch all_to_all + grouped GEMM", "torch", "nccl", R))
+        jobs += [("staged", "staged", "nccl"), ("fused", "fused", "nccl"),
+                 ("torch all_to_all", "torch", "nccl")]
     else:
-        jobs.append(("torch all_to_all + per-expert GEMM (gloo)", "torch-gloo", "gloo", R))
-    # the kernels on R virtual ranks in this process: each streaming mode of the layer
+        jobs.append(("torch all_to_all (gloo)", "torch-gloo", "gloo"))
+    # the kernels on R virtual ranks in this process: each streaming mode and format
     chunk = 2 * cfg.block_m
-    virtual = [("staged kernels", "staged", "token", cfg),
-               ("fused kernel, token mode", "fused", "token", cfg),
-               (f"fused kernel, {chunk}-token chunks", "fused", chunk, cfg),
-               ("staged kernels, fp8 (vs the fp8-aware reference)", "staged", "token",
-                cfg.with_(dtype="fp8")),
-               ("staged kernels, fp4w (vs the fp4w-aware reference)", "staged", "token",
-                cfg.with_(dtype="fp4w"))]
-    with Progress(console=con, transient=True) as prog:
+    virtual = [("staged", "staged", "token", cfg),
+               ("fused", "fused", "token", cfg),
+               (f"fused, {chunk}-token chunks", "fused", chunk, cfg),
+               ("staged fp8", "staged", "token", cfg.with_(dtype="fp8")),
+               ("staged fp4w", "staged", "token", cfg.with_(dtype="fp4w"))]
+    rows = []
+    with progress(con, transient=True) as prog:
         task = prog.add_task("running", total=len(jobs) + len(virtual))
-        for label, provider, backend, world in jobs:
-            prog.update(task, description=label)
-            res = spawn(_run_worker, world_size=world, backend=backend,
+        for label, provider, backend in jobs:
+            prog.update(task, description=f"{label}, {R} processes")
+            res = spawn(_run_worker, world_size=R, backend=backend,
                         args=(cfg.to_dict(), T, args.seed, provider), timeout_s=900)
-            err = max(r[1] for r in res)
-            sec = max(r[2] for r in res)
-            rows.append((label, f"{world} processes", err, sec, tol))
+            rows.append((label, f"{R} processes", "bf16", max(r[1] for r in res),
+                         max(r[2] for r in res)))
             prog.advance(task)
         for label, impl, gran, vcfg in virtual:
-            prog.update(task, description=f"{label}, virtual ranks")
-            err, sec, where = _run_virtual(vcfg, R, T, args.seed, impl=impl, granularity=gran)
-            kind = "Triton interpreter" if where == "cpu" else "one GPU"
-            rows.append((f"{label}, {R} virtual ranks ({kind})", "1 process", err, sec,
-                         TOLERANCE[vcfg.dtype]))
+            prog.update(task, description=f"{label}, {R} virtual ranks")
+            err, sec, _ = _run_virtual(vcfg, R, T, args.seed, impl=impl, granularity=gran)
+            rows.append((label, f"{R} virtual", vcfg.dtype, err, sec))
             prog.advance(task)
-    table = Table(title="moestream run: each provider against the fp32 reference")
-    for col in ("provider", "ranks", "config", "tokens/rank", "rel error", "time", "status"):
-        table.add_column(col)
-    ok = True
-    for label, procs, err, sec, tol in rows:
-        good = err < tol
-        ok &= good
-        table.add_row(label, f"{R} ({procs})", f"H{cfg.hidden} I{cfg.intermediate} "
-                      f"E{cfg.num_experts} K{cfg.top_k}", str(T), f"{err:.2e}",
-                      f"{sec * 1e3:.1f} ms", "[green]ok[/]" if good else f"[red]> {tol}[/]")
-    con.print(table)
+    ok, cells = True, []
+    for label, ranks, dtype, err, sec in rows:
+        tol = TOLERANCE[dtype]
+        ok &= err < tol
+        cells.append([label, ranks, dtype, f"{err:.2e}", f"{tol:.0e}", f"{sec * 1e3:.0f} ms",
+                      "[green]ok[/]" if err < tol else "[red]FAILED[/]"])
+    print_table(con, title="each path against the fp32 reference", rows=cells, keys=(0, 1, 2),
+                columns=[("path", "left"), ("ranks", "left"), ("dtype", "left"),
+                         ("rel error", "right"), ("tolerance", "right"), ("time", "right"),
+                         ("status", "right")])
+    con.print("rel error = ||y - ref|| / ||ref|| over all ranks' outputs, against the fp32 "
+              "reference (fp8 / fp4w: with the same quantized weights and tokens).")
+    if gpus:
+        con.print("time: the second call of each path, launches included; "
+                  "`moestream bench` measures performance.")
+    else:
+        con.print("time: the kernels ran in Triton's CPU interpreter; these are interpreter "
+                  "times, not performance.")
     return 0 if ok else 1
 
 
@@ -191,8 +188,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     t.add_row("python", sys.version.split()[0])
     t.add_row("torch", torch.__version__)
     t.add_row("triton", triton.__version__)
-    t.add_row("numpy", numpy.__version__ + ("" if tuple(int(v) for v in numpy.__version__.split(".")[:2]) < (2, 3)
-                                            else "  (the Triton interpreter needs < 2.3)"))
+    t.add_row("numpy", numpy.__version__)
+    t.add_row("tested with", "torch 2.11 + triton 3.6 on H200s; torch 2.13 (CPU) + triton 3.6")
     t.add_row("kernels run", "Triton interpreter (CPU)" if INTERPRET else "compiled for the GPU")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     t.add_row("CUDA GPUs", str(n))
@@ -222,35 +219,37 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------------------
 
-def _ints(s: str) -> list[int]:
+def _save_plot(con, plot, *args, **kwargs) -> None:
+    """Save a plot; without matplotlib, say how to get it and go on (the rows are saved)."""
     try:
-        return [int(v) for v in s.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _names(s: str) -> list[str]:
-    return [v for v in s.split(",") if v]
+        plot(*args, **kwargs)
+    except MissingExtraError as exc:
+        con.print(f"[yellow]no plot: {exc}[/]")
+        return
+    con.print(f"plot saved to {args[1]}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
-    from .bench import append_rows, plot_rows, print_table
+    from .bench import plot_rows, print_table, results_path, update_rows
 
     con = _console()
     if not torch.cuda.is_available():
         con.print("[red]moestream bench needs a CUDA GPU[/] (moestream run and the tests "
                   "cover the CPU)")
         return 2
-    out = args.out
     if args.virtual_ranks:
-        from rich.progress import Progress
-
         from .bench_kernels import VARIANTS, bench_gemm
         variants = args.variants or list(VARIANTS)
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            con.print(f"[red]--variants: {unknown} not known; choose from {', '.join(VARIANTS)}[/]")
+            return 2
         rows = []
-        with Progress(console=con) as prog:
+        with progress(con) as prog:
             total = len(args.shapes) * len(args.tokens_per_expert) * len(variants)
             task = prog.add_task("GEMM bench", total=total)
             for shape in args.shapes:
@@ -258,10 +257,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    experts_per_rank=args.experts_per_rank,
                                    virtual_ranks=args.virtual_ranks, variants=variants,
                                    reps=args.reps, progress=lambda: prog.advance(task))
-        out = out or "benchmarks/results/gemm_h200.jsonl"
+        out = Path(args.out or results_path("gemm", num_gpus=1))
         cols = ["shape", "kernel", "tokens_per_expert", "provider", "median_us",
-                "tflops_per_gpu", "weight_tbps", "efficiency", "l1_rel_error",
-                "l2_rel_error"]
+                "tflops_per_gpu", "weight_tbps", "efficiency"]
     else:
         from .bench_ep import parse_tuning, run_ep_bench
         try:
@@ -272,41 +270,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens,
                                 providers=args.providers, reps=args.reps, skew=args.skew,
-                                tuning=tuning, block_m=args.block_m)
+                                tuning=tuning, block_m=args.block_m, experts=args.experts)
         except ValueError as e:
             con.print(f"[red]{e}[/]")
             return 2
-        out = out or f"benchmarks/results/ep_{torch.cuda.device_count()}gpu.jsonl"
-        cols = ["shape", "tokens_per_rank", "provider", "median_us", "p20_us", "p80_us",
-                "tflops_per_gpu", "link_gbps", "floor_us", "efficiency", "rel_diff_vs_torch"]
-    append_rows(out, rows)
-    con.print(f"{len(rows)} rows appended to {out}")
-    if args.plot and not args.virtual_ranks:
-        plot_rows(rows, args.plot, title=f"EP layer, {torch.cuda.device_count()}x "
-                                         f"{torch.cuda.get_device_name(0)}")
-        con.print(f"plot saved to {args.plot}")
+        world = torch.cuda.device_count()
+        out = Path(args.out or results_path("ep" if world > 1 else "layer", num_gpus=world))
+        cols = ["shape", "tokens_per_rank", "dtype", "provider", "median_us", "p20_us",
+                "p80_us", "floor_us", "efficiency"]
+    update_rows(out, rows)
+    con.print(f"{len(rows)} rows written to {out}")
+    plot = None if args.no_plot else Path(args.plot or out.with_suffix(".png"))
+    if plot and not args.virtual_ranks and rows:
+        title = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+        _save_plot(con, plot_rows, rows, plot, title=title)
         if any(r.get("stages_us") for r in rows):
-            from pathlib import Path
-
             from .bench_ep import plot_stages
-            stages_png = Path(args.plot).with_name(Path(args.plot).stem + "_stages.png")
-            plot_stages(rows, stages_png)
-            con.print(f"stage breakdown saved to {stages_png}")
-    print_table(rows, title="moestream bench", columns=cols)
+            _save_plot(con, plot_stages, rows, plot.with_name(plot.stem + "_stages.png"))
+    print_table(rows, title="moestream bench", columns=cols, console=con)
     staged = [r for r in rows if r.get("stages_us")]
     if staged:
         from .stages import STAGES
         print_table([{**r, **{f"{n} µs": r["stages_us"].get(n) for n in STAGES}} for r in staged],
                     title="staged call, GPU time per stage (slowest rank)",
                     columns=["shape", "tokens_per_rank", "provider", "median_us"]
-                    + [f"{n} µs" for n in STAGES])
+                    + [f"{n} µs" for n in STAGES], console=con)
     return 0
 
 
 # ---- trace --------------------------------------------------------------------------------
 
 def _granularity_arg(s: str) -> int | str:
-    return int(s) if s.isdigit() else s
+    if s in ("token", "expert"):
+        return s
+    try:
+        return positive_int(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected token, expert or a chunk size in tokens, got {s!r}") from None
 
 
 def _per_sm_cell(per_sm: dict) -> str:
@@ -342,26 +343,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
                   "tests cover the trace rows on the CPU)")
         return 2
     with con.status(f"tracing {args.shape}, {args.tokens} tokens/rank, {args.granularity}"):
-        rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks or None,
+        rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks,
                          granularity=args.granularity, seed=args.seed, tuning=overrides)
     summary = summarize(rows)
+    # one column per rank, one row per figure: fits a narrow terminal at any rank count
     t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
                     f"granularity {args.granularity}"
                     + (f", tuning {args.tuning}" if overrides else ""))
-    for c in ["rank", "layer µs"] + [f"{p} µs (tasks x µs each)" for p in PHASES] + [
-            "comm hidden", "L1 during dispatch", "L2 during L1", "L2 waiting on L1",
-            "per SM µs: " + " / ".join(PHASES) + " / idle"]:
-        t.add_column(c, justify="right")
-    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    t.add_column("")
     for s in summary:
-        ph = [_phase_cell(s["phases"][p]) for p in PHASES]
-        t.add_row(str(s["rank"]), f"{s['layer_us']:.0f}", *ph, pct(s["comm_hidden"]),
-                  pct(s["l1_during_dispatch"]), pct(s["l2_during_l1"]), pct(s["l2_waiting"]),
-                  _per_sm_cell(s["per_sm_us"]))
+        t.add_column(f"rank {s['rank']}", justify="right")
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    figures = [("layer µs", lambda s: f"{s['layer_us']:.0f}")]
+    figures += [(f"{p} µs (tasks x µs)", lambda s, p=p: _phase_cell(s["phases"][p]))
+                for p in PHASES]
+    figures += [("comm hidden", lambda s: pct(s["comm_hidden"])),
+                ("L1 during dispatch", lambda s: pct(s["l1_during_dispatch"])),
+                ("L2 during L1", lambda s: pct(s["l2_during_l1"])),
+                ("L2 waiting on L1", lambda s: pct(s["l2_waiting"])),
+                ("per SM µs: " + " / ".join(PHASES) + " / idle",
+                 lambda s: _per_sm_cell(s["per_sm_us"]))]
+    for name, cell in figures:
+        t.add_row(name, *(cell(s) for s in summary))
     con.print(t)
-    plot_timeline(rows, args.out, title=f"{args.shape}, {args.tokens} tokens/rank, "
-                                        f"{torch.cuda.device_count()} GPUs, {args.granularity}")
-    con.print(f"timeline saved to {args.out}")
+    _save_plot(con, plot_timeline, rows, args.out,
+               title=f"{args.shape}, {args.tokens} tokens/rank, "
+                     f"{torch.cuda.device_count()} GPUs, {args.granularity}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(shape=args.shape, tokens_per_rank=args.tokens,
@@ -377,6 +384,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from .probe import ProbeError, calibration_table, run_probe
 
     con = _console()
+    if args.out is None:
+        import torch
+
+        from .bench import results_path
+        n = len(set(args.devices)) if torch.cuda.is_available() else 0
+        args.out = str(results_path("calib_probe", num_gpus=n or None).with_suffix(".json"))
     try:
         calib = run_probe(out=args.out, quick=args.quick, gemm_providers=args.gemm_providers,
                           devices=tuple(args.devices), console=con)
@@ -399,94 +412,133 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
 
 # ---- entry --------------------------------------------------------------------------------
 
+def _providers_arg(text: str) -> list[str]:
+    from .bench_ep import check_providers
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        check_providers(names, tuning={"any": True})   # tuned ones are checked with --tuning
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated provider names")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .bench_ep import PROVIDERS
+
+    shapes = sorted(SHAPES)
     p = argparse.ArgumentParser(prog="moestream", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    r = sub.add_parser("run", help="run the EP layer here and check it against the reference")
-    r.add_argument("--ranks", type=int, default=0, help="ranks (default: every GPU, or 2 on CPU)")
-    r.add_argument("--tokens", type=int, default=0, help="tokens per rank")
-    r.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run", formatter_class=fmt,
+                       help="the layer here, checked against the reference (GPU or CPU)",
+                       description="Run every path of the layer (staged, fused, chunked, fp8, "
+                                   "fp4w) on this machine and check it against the fp32 "
+                                   "reference. On a CPU the kernels run in Triton's "
+                                   "interpreter on small shapes.")
+    r.add_argument("--ranks", type=positive_int, default=None,
+                   help="ranks (default: every GPU, or 2 on a CPU)")
+    r.add_argument("--tokens", type=positive_int, default=None,
+                   help="tokens per rank (default: 512 on a GPU, 24 on a CPU)")
+    r.add_argument("--seed", type=nonnegative_int, default=0, help="random inputs' seed")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("check", help="versions, GPUs, symmetric memory")
+    c = sub.add_parser("check", help="versions, GPUs and symmetric memory of this install")
     c.set_defaults(fn=cmd_check)
 
-    b = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md protocol)")
-    b.add_argument("--shapes", type=_names, default=["dsv3", "v4flash", "qwen3", "mixtral"])
-    b.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128, 512, 2048, 8192],
-                   help="tokens per rank (EP bench)")
-    b.add_argument("--providers", type=_names,
-                   default=["staged", "staged-graph", "fused-graph", "chunk128", "chunk256",
-                            "chunkexpert", "torch", "fp8-staged-graph"],
-                   help="staged, staged-graph, fused, fused-graph, chunk<C>, chunkexpert, "
-                        "torch, fp8-staged, fp8-staged-graph, fp8-fused-graph, torch-symm, "
-                        "staged-stages, fp8-staged-stages (GPU time of each staged launch), "
-                        "staged-graph-stages, fp8-staged-graph-stages (the same in a graph), "
-                        "staged-tuned-graph, fp8-staged-tuned-graph, and their -stages "
-                        "forms, fused-tuned-graph, fp8-fused-tuned-graph (with --tuning)")
+    b = sub.add_parser("bench", formatter_class=fmt,
+                       help="the layer benchmark over all GPUs, or the GEMMs alone (GPU)",
+                       description="The layer over every GPU of this machine (world size = "
+                                   "GPUs), each provider on the same inputs, CUDA events, "
+                                   "median of --reps calls. Rows update "
+                                   "benchmarks/results/<machine>/ep.jsonl (layer.jsonl on "
+                                   "one GPU), a PNG beside it. With --virtual-ranks: the "
+                                   "grouped GEMMs as the layer launches them vs "
+                                   "torch._grouped_mm (<machine>/gemm.jsonl).")
+    b.add_argument("--shapes", type=names_from(shapes), default=["dsv3", "v4flash", "qwen3",
+                                                                 "mixtral"],
+                   help=f"comma list of {', '.join(shapes)}")
+    b.add_argument("--tokens", type=positive_ints, default=[1, 8, 32, 128, 512, 2048, 8192],
+                   help="tokens per rank, comma list")
+    b.add_argument("--providers", type=_providers_arg,
+                   default=["staged-graph", "fused-graph", "torch"],
+                   help=f"comma list of {', '.join(PROVIDERS)}, and chunk<C> (the fused "
+                        f"launch pulling C tokens at a time) or chunkexpert")
+    b.add_argument("--experts", type=positive_int, default=None,
+                   help="routed experts of every shape instead of its own (e.g. 32 on one "
+                        "GPU: one EP8 rank's share of dsv3)")
     b.add_argument("--skew", type=float, default=None,
-                   help="hot expert's share of picks, in (0, 1] (at most 1/top-k takes "
-                        "effect: one pick per token)")
+                   help="hot expert's share of picks, in (0, 1]")
     b.add_argument("--tuning", default="",
-                   help="stages.Tuning overrides of the *-tuned-graph(-stages) providers, e.g. "
-                        "pdl=true,l1_block_n=128 (on top of each call's defaults)")
-    b.add_argument("--virtual-ranks", type=int, default=0,
-                   help="GEMM bench on one GPU: L1/L2 over R virtual ranks vs torch._grouped_mm")
-    b.add_argument("--tokens-per-expert", type=_ints, default=[16, 128, 512, 2048])
-    b.add_argument("--experts-per-rank", type=int, default=32)
-    b.add_argument("--variants", type=_names, default=None, help="GEMM variants (default all)")
-    b.add_argument("--reps", type=int, default=20)
-    b.add_argument("--block-m", type=int, default=None,
-                   help="EP bench: our layer's m-block rows (MoEConfig.block_m) instead of "
-                        "the shape's default")
-    b.add_argument("--out", default=None, help="JSON-lines file the rows are appended to")
-    b.add_argument("--plot", default=None, help="PNG of time vs tokens per rank")
+                   help="stages.Tuning overrides of the *-tuned-graph providers, e.g. "
+                        "l1_block_n=128")
+    b.add_argument("--block-m", type=positive_int, default=None,
+                   help="our layer's m-block rows instead of the shape's")
+    b.add_argument("--virtual-ranks", type=positive_int, default=None,
+                   help="the GEMM bench on one GPU over R virtual ranks")
+    b.add_argument("--tokens-per-expert", type=positive_ints, default=[16, 128, 512, 2048],
+                   help="GEMM bench: rows per expert, comma list")
+    b.add_argument("--experts-per-rank", type=positive_int, default=32,
+                   help="GEMM bench: experts per virtual rank")
+    b.add_argument("--variants", type=lambda v: [x for x in v.split(",") if x], default=None,
+                   help="GEMM bench: moestream.bench_kernels.VARIANTS names (default all)")
+    b.add_argument("--reps", type=positive_int, default=20, help="timed calls per point")
+    b.add_argument("--out", default=None,
+                   help="results file (default benchmarks/results/<machine>/<bench>.jsonl)")
+    b.add_argument("--plot", default=None, help="PNG of time vs tokens (default: beside --out)")
+    b.add_argument("--no-plot", action="store_true", help="save no PNG")
     b.set_defaults(fn=cmd_bench)
 
     from .bench_layer import add_arguments as add_layer_arguments
-    bl = sub.add_parser("bench-layer", help="one transformers MoE decoder layer: its experts vs "
-                                            "moestream's, across every GPU (bench_layer.py)")
+    bl = sub.add_parser("bench-layer", help="one transformers MoE decoder layer: its experts "
+                                            "vs moestream's, over every GPU (GPU)")
     add_layer_arguments(bl)
     bl.set_defaults(fn=cmd_bench_layer)
 
-    tr = sub.add_parser("trace", help="timeline of one fused-kernel call (GPU)")
-    tr.add_argument("--shape", default="qwen3")
-    tr.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    tr = sub.add_parser("trace", formatter_class=fmt,
+                        help="the timeline of one fused-kernel call (GPU)")
+    tr.add_argument("--shape", default="qwen3", choices=shapes)
+    tr.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank")
     tr.add_argument("--granularity", type=_granularity_arg, default="token",
-                    help="token, a chunk size C (multiple of block_m) or expert")
-    tr.add_argument("--ranks", type=int, default=0, help="GPUs (default: all)")
-    tr.add_argument("--seed", type=int, default=0)
+                    help="token, expert, or a chunk size C in tokens (a multiple of block_m)")
+    tr.add_argument("--ranks", type=positive_int, default=None, help="GPUs (default: all)")
+    tr.add_argument("--seed", type=nonnegative_int, default=0)
     tr.add_argument("--out", default="trace.png", help="timeline PNG")
     tr.add_argument("--json", default=None, help="also save the rows and the summary")
     tr.add_argument("--tuning", default="",
                     help="stages.Tuning overrides on top of the fused launch's defaults, e.g. "
-                         "wave_blocks=264,fused_per_sm=1")
+                         "wave_blocks=264")
     tr.set_defaults(fn=cmd_trace)
 
-    pr = sub.add_parser("probe", help="measure this machine's calibration for the simulator")
+    pr = sub.add_parser("probe", formatter_class=fmt,
+                        help="this machine's calibration for the simulator (GPU)")
     pr.add_argument("--quick", action="store_true",
-                    help="the short probe (meant to take < 1 minute on an H200)")
-    pr.add_argument("--out", default="benchmarks/results/calib_probe.json",
-                    help="calibration JSON to write (default benchmarks/results/calib_probe.json)")
-    pr.add_argument("--gemm-providers", type=_names, default=["torch", "triton"],
+                    help="the short probe (under a minute on an H200)")
+    pr.add_argument("--out", default=None,
+                    help="calibration JSON (default benchmarks/results/<machine>/"
+                         "calib_probe.json)")
+    pr.add_argument("--gemm-providers", type=names_from(("torch", "triton")),
+                    default=["torch", "triton"],
                     help="grouped-GEMM curves: torch (torch._grouped_mm), triton (our L1)")
-    pr.add_argument("--devices", type=_ints, default=[0, 1],
-                    help="reader GPU and peer GPU (default 0,1)")
+    pr.add_argument("--devices", type=nonnegative_ints, default=[0, 1],
+                    help="reader GPU and peer GPU")
     pr.set_defaults(fn=cmd_probe)
 
-    try:
-        from .sim.cli import add_parser as add_sim
-        add_sim(sub)
-    except ImportError:  # pragma: no cover - the simulator ships with the package
-        pass
+    from .sim.cli import add_parser as add_sim
+    add_sim(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except MissingExtraError as exc:
+        print(f"moestream {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

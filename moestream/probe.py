@@ -61,10 +61,8 @@ from .kernels._common import next_pow2, now_ns, tl, triton
 from .sim.calib import SCHEMA, Calibration
 
 __all__ = ["ProbeError", "ProbePlan", "ProbeResults", "probe_plan", "run_probe",
-           "assemble_calibration", "calibration_table", "reread", "DEFAULT_OUT",
-           "GEMM_PROVIDERS"]
+           "assemble_calibration", "calibration_table", "reread", "GEMM_PROVIDERS"]
 
-DEFAULT_OUT = "benchmarks/results/calib_probe.json"
 GEMM_PROVIDERS = ("torch", "triton")
 # the grouped GEMM of the calibration: dsv3's L1 (gate and up), 32 local experts
 _GROUPED_DIMS = dict(hidden=7168, intermediate=2048, experts=32)
@@ -898,13 +896,8 @@ def run_probe(*, out: str | Path | None, quick: bool = False,
     steps = (2 + len(plan.cache_read_bytes) + len(plan.grouped_tokens_per_expert) * len(provs)
              + len(plan.host_copy_bytes) + 2 * len(plan.pull_row_bytes)
              + len(plan.pull_programs) + 1)
-    if console is None:
-        from rich.console import Console
-        console = Console()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                   console=console, disable=not progress)
+    from .terminal import progress as make_progress
+    bar = make_progress(console, disable=not progress)
     with bar:
         task = bar.add_task("probe", total=steps)
         tick = lambda: bar.advance(task)   # noqa: E731
@@ -916,7 +909,7 @@ def run_probe(*, out: str | Path | None, quick: bool = False,
                 fn()
             except Exception as exc:  # noqa: BLE001 - a failed section keeps the others
                 res.errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                console.print(f"[yellow]probe {name} failed:[/] {res.errors[name]}")
+                bar.console.print(f"[yellow]probe {name} failed:[/] {res.errors[name]}")
             res.timings_s[name] = time.perf_counter() - t0
 
         def dense() -> None:

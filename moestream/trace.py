@@ -242,7 +242,8 @@ def _l2_waiting(r: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
 def plot_timeline(rows: np.ndarray, path: str, *, title: str = "fused kernel timeline") -> None:
     """PNG: per rank, each task as a bar on its SM's row coloured by phase, and below it the
     share of each phase's tasks finished over time (where the phases overlap)."""
-    import matplotlib
+    from .terminal import require
+    matplotlib = require("matplotlib", extra="plot", why="the timeline PNG")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch

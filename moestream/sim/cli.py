@@ -13,6 +13,7 @@ import sys
 from typing import Sequence
 
 from ..config import SHAPES
+from ..terminal import nonnegative_int, positive_int
 
 __all__ = ["add_parser", "add_arguments", "run", "run_validate", "main", "parse_chunks"]
 
@@ -50,23 +51,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--shape", default="dsv3", choices=sorted(SHAPES),
                    help="model shape (routed experts), default dsv3")
-    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks R (default 8)")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank T (default 128)")
+    p.add_argument("--ranks", type=positive_int, default=8,
+                   help="expert-parallel ranks R (default 8)")
+    p.add_argument("--tokens", type=nonnegative_int, default=128,
+                   help="tokens per rank T (default 128)")
     p.add_argument("--link", default="nvlink", choices=LINK_KINDS,
                    help="fabric: nvlink (device pulls), nvlink-copy (host-issued copies), "
                         "rdma (8-GPU NVLink nodes + RDMA), nvl72 (72-GPU NVLink-5 racks + RDMA)")
     p.add_argument("--chunks", default="block_m,256,expert",
                    help="chunk granularities compared with token: ints (tokens per message), "
                         "'block_m', 'expert' (default block_m,256,expert)")
-    p.add_argument("--comm-sms", type=int, default=16,
+    p.add_argument("--comm-sms", type=positive_int, default=16,
                    help="SMs that issue transfers and reduce (the rest run GEMMs), default 16")
     p.add_argument("--gemm", default="triton", choices=("triton", "torch", "dense"),
                    help="GEMM rate: grouped-GEMM curve (triton, torch) or dense (default triton)")
     p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
                    help="uniform top-k, or skewed (hot expert 0 in a share skew*K of tokens)")
     p.add_argument("--skew", type=float, default=0.3, help="hot-expert share for --routing skewed")
-    p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    p.add_argument("--gpus-per-node", type=int, default=8,
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="routing seed (default 0)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8,
                    help="NVLink domain size of the rdma fabric (default 8)")
     p.add_argument("--dispatch-order", default="pool", choices=("pool", "source"),
                    help="pull order: pool (expert by expert, Mega MoE) or source (rank by rank)")
@@ -77,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tickets in order, rates from kernel traces, per-call fixed cost). "
                         "auto: stream for simulations; with --validate, fused for the fused "
                         "and chunked providers and stream for staged ones")
-    p.add_argument("--programs", type=int, default=None,
+    p.add_argument("--programs", type=positive_int, default=None,
                    help="--exec fused: programs per rank (default one per SM)")
     p.add_argument("--calib", default=None, help="calibration JSON (default: packaged 2x H200)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
@@ -103,7 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison the arguments describe; print the table. Returns an exit status."""
-    from rich.console import Console
+    from ..terminal import console as make_console
 
     from ..config import MoEConfig
     from .calib import Calibration
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "validate", None):
         return run_validate(args)
-    console = Console()
+    console = make_console()
     try:
         calib = Calibration.load(args.calib)
         cfg = MoEConfig.from_shape(args.shape, max_tokens_per_rank=max(1, args.tokens))
@@ -144,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     """``--validate``: the model against measured rows; prints the table and the share of
     rows within 20%. Returns an exit status (2 for bad input)."""
-    from rich.console import Console
+    from ..terminal import console as make_console
 
     from .calib import Calibration
     from .validate import load_rows, skip_reason, summarize, validate, validation_table
 
-    console = Console(width=max(140, Console().width))
+    console = make_console()
     try:
         calib = Calibration.load(args.calib)
         rows = load_rows(args.validate)
@@ -170,10 +173,8 @@ def run_validate(args: argparse.Namespace) -> int:
     title = (f"simulator ({models}; {args.link}, stream: {args.comm_sms} comm SMs, GEMM "
              f"{args.gemm}; calibration {calib.device or calib.path}) vs "
              f"{', '.join(args.validate)}")
-    table, notes = validation_table(results, title=title)
-    console.print(table)
-    for note in notes:
-        console.print(note)
+    for note in validation_table(results, console=console, title=title):
+        console.print(note, markup=False)
     s = summarize(results)
     if s["rows"]:
         console.print(f"[bold]{s['within_20pct']} of {s['rows']} rows within 20% "

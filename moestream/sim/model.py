@@ -348,8 +348,8 @@ class Comparison:
 
     def plot(self, path: str) -> None:
         """Save a bar chart of layer time vs granularity (PNG) to ``path``."""
-        import matplotlib
-
+        from ..terminal import require
+        matplotlib = require("matplotlib", extra="plot", why="the simulator's PNG")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -307,20 +307,18 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {**block(results), "by_provider": by_provider, "calibration_points": n_cal}
 
 
-def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
-    """A ``rich.table.Table`` of ``validate``'s rows; flagged rows carry a footnote mark
-    (``[n]``) whose text is returned as the second item: ``(table, footnotes)``."""
-    from rich.table import Table
+def validation_table(results: Sequence[Mapping[str, Any]], *, console, title: str = "") -> list[str]:
+    """Print ``validate``'s rows as a table on ``console`` (split by columns where it is
+    narrow); flagged rows carry a footnote mark (``[n]``) whose texts are returned."""
+    from ..terminal import print_table
 
-    t = Table(title=title or "simulator vs measured")
     sources = len({r.get("source", "") for r in results}) > 1
     cols = [("shape", "left"), ("R", "right"), ("T/rank", "right"), ("provider", "left"),
             ("gran.", "left"), ("model", "left"), ("measured µs", "right"),
             ("model µs", "right"), ("meas/model", "right"), ("within 20%", "center"),
-            ("flag", "left")]
-    for col, just in cols + ([("rows file", "left")] if sources else []):
-        t.add_column(col, justify=just, no_wrap=True)
+            ("flag", "left")] + ([("rows file", "left")] if sources else [])
     notes: dict[str, int] = {}
+    cells = []
     for r in results:
         mark = ""
         if r["flag"]:
@@ -329,8 +327,10 @@ def validation_table(results: Sequence[Mapping[str, Any]], *, title: str = ""):
             within = "calib."
         else:
             within = "[green]yes[/]" if r["within_20pct"] else "[red]no[/]"
-        t.add_row(r["shape"], str(r["ranks"]), str(r["tokens_per_rank"]), r["provider"],
-                  r["granularity"], r.get("execution", "stream"), f"{r['measured_us']:.1f}",
-                  f"{r['predicted_us']:.1f}", f"{r['ratio']:.2f}", within,
-                  mark, *([str(r.get("source", ""))] if sources else []))
-    return t, [f"[{n}] {text}" for text, n in notes.items()]
+        cells.append([r["shape"], str(r["ranks"]), str(r["tokens_per_rank"]), r["provider"],
+                      r["granularity"], r.get("execution", "stream"), f"{r['measured_us']:.1f}",
+                      f"{r['predicted_us']:.1f}", f"{r['ratio']:.2f}", within,
+                      mark, *([str(r.get("source", ""))] if sources else [])])
+    print_table(console, title=title or "simulator vs measured", columns=cols, rows=cells,
+                keys=(0, 1, 2, 3))
+    return [f"[{n}] {text}" for text, n in notes.items()]
