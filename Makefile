@@ -1,21 +1,23 @@
 # moestream: two set-up commands on a fresh machine (README): `make run` and `make test`.
-# They create .venv with the pinned CPU builds: a bare `torch` requirement would pull a
-# multi-GB CUDA build. numpy stays below 2.3 because Triton 3.6's interpreter converts
-# one-element arrays to Python ints, which numpy 2.3 turned into an error.
+# They create .venv with the pinned CPU builds (a bare `torch` requirement would pull a
+# multi-GB CUDA build), the newest numpy the package allows.
 #
 # GPU machines (torch and triton preinstalled, nothing to download): `make test-gpu`,
-# `make bench`, `make bench-gemm` run the project in place with the system python3.
+# `make bench`, `make bench-one-gpu`, `make bench-gemm` run the project in place with the
+# system python3; results update benchmarks/results/<machine>/*.jsonl.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.2.6
+CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.4.6
 GPU_PY ?= python3
-RESULTS ?= benchmarks/results
 # the GEMM bench's variants (moestream.bench_kernels.VARIANTS); layer-call: what the layer runs
 GEMM_VARIANTS ?= layer-call
+MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli
+ONE_GPU_TOKENS ?= 1,8,64,512,2048,8192
+ONE_GPU_PROVIDERS ?= staged-graph,fused-graph,fp8-staged-graph,fp8-fused-graph,torch
 
-.PHONY: install run test test-gpu bench bench-gemm check clean
+.PHONY: install run test test-gpu bench bench-one-gpu bench-gemm performance check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,13 +47,25 @@ test-gpu:
 		$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)")
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m multigpu tests
 
+# the layer over every GPU of the machine: benchmarks/results/<machine>/ep.jsonl and ep.png
 bench:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --out $(RESULTS)/ep_h200x2.jsonl \
-		--plot $(RESULTS)/ep_h200x2.png
+	$(MOESTREAM) bench
 
+# the layer on one GPU (world size 1) at the one-GPU shapes: qwen3 (128 experts), mixtral (8),
+# dsv3 and v4flash with 32 experts (one EP8 rank's share): <gpu>/layer.jsonl
+bench-one-gpu:
+	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(MOESTREAM) bench --shapes qwen3,mixtral \
+		--tokens $(ONE_GPU_TOKENS) --providers $(ONE_GPU_PROVIDERS) --no-plot
+	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(MOESTREAM) bench --shapes dsv3,v4flash \
+		--experts 32 --tokens $(ONE_GPU_TOKENS) --providers $(ONE_GPU_PROVIDERS) --no-plot
+
+# the grouped GEMMs as the layer launches them vs torch._grouped_mm: <gpu>/gemm.jsonl
 bench-gemm:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli bench --virtual-ranks 1 --shapes dsv3,qwen3 \
-		--variants $(GEMM_VARIANTS) --out $(RESULTS)/gemm_h200.jsonl
+	$(MOESTREAM) bench --virtual-ranks 1 --shapes dsv3,qwen3 --variants $(GEMM_VARIANTS)
+
+# docs/performance.md and its plots, from the results files (no GPU)
+performance: install
+	$(PY) benchmarks/performance.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
