@@ -424,9 +424,10 @@ def _point(row: Mapping[str, Any]) -> str:
 def update_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
     """Write ``rows`` into the canonical results file ``path``: a row replaces the file's row
     of the same point (``POINT_KEYS``: shape, ranks, tokens, dtype, provider, ...), others are
-    kept in their order and new points go last. Returns the rows written."""
+    kept in their order and new points go last; the file holds one row per point. Returns the
+    rows written."""
     path = Path(path)
-    new = [dict(r) for r in rows]
+    new = list({_point(r): dict(r) for r in rows}.values())   # a point measured twice: the last
     fresh = {_point(r) for r in new}
     old = [r for r in load_rows(path) if _point(r) not in fresh] if path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -544,23 +545,24 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
     axes = fig.subplots(1, len(shapes), squeeze=False)[0]
     for ax, shape in zip(axes, shapes):
         lines: dict[str, list] = defaultdict(list)
-        floor_pts: dict[int, float] = {}
+        floor_pts: dict[str, dict[int, float]] = defaultdict(dict)   # per dtype
         for r in rows:
             # log axes cannot show T = 0 or a non-positive time
             if r["shape"] != shape or r["tokens_per_rank"] <= 0 or r["median_us"] <= 0:
                 continue
             lines[label(r)].append(r)
             if r.get("floor_us"):
-                floor_pts.setdefault(r["tokens_per_rank"], r["floor_us"])
+                floor_pts[r["dtype"]].setdefault(r["tokens_per_rank"], r["floor_us"])
         for name, pts in sorted(lines.items(), key=lambda kv: list(colour).index(kv[0])):
             pts.sort(key=lambda r: r["tokens_per_rank"])
             t = [r["tokens_per_rank"] for r in pts]
             ax.plot(t, [r["median_us"] for r in pts], marker="o", label=name, color=colour[name])
             ax.fill_between(t, [r["p20_us"] for r in pts], [r["p80_us"] for r in pts], alpha=0.2,
                             color=colour[name])
-        if floor_pts:
-            t = sorted(floor_pts)
-            ax.plot(t, [floor_pts[x] for x in t], linestyle="--", color="grey", label="floor")
+        for n, (dtype, pts) in enumerate(floor_pts.items()):
+            t = sorted(pts)
+            ax.plot(t, [pts[x] for x in t], linestyle=("--", ":", "-.")[n % 3], color="grey",
+                    label=f"floor {dtype}" if many_dtypes else "floor")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(shape)
