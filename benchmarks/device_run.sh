@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, GPU tests, GEMM and EP benchmarks; logs in $OUT.
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
-# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu,ab,floor (default env,test,gemm,ep)
+# steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu,ab (default env,test,gemm,ep)
 # AB_BASE=<commit> AB_ARGS="<moestream bench arguments>": the ab step runs them base, new, new, base
-#   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab);
-#   the floor step (benchmarks/launch_floor.py, FLOOR_SHAPE / FLOOR_VARIANTS / FLOOR_BLOCKS) then
-#   also runs the base's kernels, base first; FLOOR_FORMS: its read-tiles forms; FLOOR_ARGS: more (--mma-tiles)
-# GEMM_VARIANTS: the gemm step's variants (default layer-call, what the layer runs; all of
-#   moestream.bench_kernels.VARIANTS together take longer than one device command may)
+#   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab)
+# GEMM_VARIANTS: the gemm step's variants (moestream.bench_kernels.VARIANTS; default
+#   layer-call, what the layer runs in bf16; fp8-layer-call in fp8)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
@@ -83,14 +81,6 @@ if has ab; then
   timeout ${AB_TIMEOUT:-300} python3 benchmarks/ab_commits.py run --base "$AB_BASE" \
     --timeout ${AB_RUN_TIMEOUT:-120} --out "$OUT/ab.jsonl" -- $AB_ARGS 2>&1 | tee "$OUT/ab.log" | tail -30
 fi
-if has floor; then
-  for side in ${AB_BASE:+base} new; do
-    root=$PWD; [ "$side" = base ] && root=$PWD/benchmarks/.ab/$AB_BASE
-    PYTHONPATH=$root timeout ${FLOOR_TIMEOUT:-120} python3 benchmarks/launch_floor.py \
-      --shape ${FLOOR_SHAPE:-qwen3} --variants ${FLOOR_VARIANTS:-dec16} ${FLOOR_BLOCKS:+--blocks $FLOOR_BLOCKS} \
-      ${FLOOR_FORMS:+--tile-forms $FLOOR_FORMS} ${FLOOR_ARGS:-} --out "$OUT/floor_$side.jsonl" --plot "$OUT/floor_$side.png" 2>&1 | tee -a "$OUT/floor.log" | tail -16
-  done
-fi
 if has ncu; then
   # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item
   # shape:M:variant, the L1 and the L2 launch after the bench's 5 warm-up calls; "torch" as the
@@ -100,10 +90,10 @@ if has ncu; then
   NCU=${NCU_BIN:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
   echo "ncu: $NCU" | tee "$OUT/ncu.log"
   "$NCU" --query-metrics --chip gh100 2>&1 | grep -i -E 'gmma|tensor|lts__t_(bytes|sectors)' > "$OUT/ncu_metrics_tensor.txt"
-  for item in ${NCU_CONFIGS:-dsv3:2048:layer-default dsv3:2048:fp8}; do
+  for item in ${NCU_CONFIGS:-dsv3:2048:layer-call dsv3:2048:fp8-layer-call}; do
     IFS=: read -r shape m variant <<< "$item"
     if [ "$variant" = torch ]; then
-      filt=(--kernel-name-base mangled -k regex:cutlass --launch-skip 6 --launch-count 2); vargs=(--variants layer-default)
+      filt=(--kernel-name-base mangled -k regex:cutlass --launch-skip 6 --launch-count 2); vargs=(--variants layer-call)
     else
       filt=(-k "regex:^l[12]_kernel" --launch-skip 5 --launch-count 2); vargs=(--variants "$variant")
     fi

@@ -170,8 +170,7 @@ def _facts(compiled: dict) -> list[dict]:
         ptx = kernel.asm["ptx"]
         narrow = [m for m in _NARROW_GLOBAL.findall(ptx) if ".v2." not in m and ".v4." not in m]
         out.append(dict(kernel=key, name=name, num_warps=md.num_warps, num_stages=md.num_stages,
-                        shared_bytes=md.shared, launch_pdl=bool(md.launch_pdl),
-                        grid_dep_wait="griddepcontrol.wait" in ptx, narrow_global=len(narrow),
+                        shared_bytes=md.shared, narrow_global=len(narrow),
                         hinted_stores=len(_HINTED_STORE.findall(ptx)),
                         **_sass_facts(kernel.asm["cubin"])))
     return out
@@ -253,9 +252,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             for name, fields in (variants or {}).items():
                 label[0] = f" {name}"
                 stages.run_fused(*args, tuning=stages.Tuning(**{**tuning.__dict__, **fields}))
-            if ranks == 1:   # the staged launches with programmatic dependent launch (option)
-                label[0] = " pdl"
-                stages.run_staged(*args, tuning=replace(tuning, pdl=True))
+            if ranks == 1:
                 label[0] = " tail"   # tail pieces in both GEMMs (Tuning.for_call's mid sizes)
                 stages.run_staged(*args, tuning=replace(tuning, l1_tail_rows=32,
                                                         l2_tail_rows=32))
@@ -269,9 +266,6 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " one dot s3"   # ... in 3 stages, as for_call picks from hidden 4096
                 stages.run_staged(*args, tuning=replace(
                     tuning, l1_one_dot=True, l1_one_dot_stages=stages.ONE_DOT_L1_STAGES))
-                label[0] = " gpu-default no l2 lag"   # a wave's L2 right after its own L1
-                stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
-                                                       fused_l2_lag=0))
                 # the staged GEMMs as a CUDA graph capture launches them: the descriptors
                 # built on the host (Tuning.host_descriptors), whole tiles and decode pieces
                 label[0] = " host"
@@ -389,8 +383,7 @@ def main(argv=None) -> int:
         else:
             print(f"{r['kernel']:34s} smem {r['shared_bytes']:>7d}  regs {r['registers']}  "
                   f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  QGMMA {r['qgmma']}  "
-                  f"HMMA {r['hmma']}  PDL {'yes' if r['grid_dep_wait'] else 'no'}  "
-                  f"sass {r['sass_hash']}")
+                  f"HMMA {r['hmma']}  sass {r['sass_hash']}")
             if args.loops:
                 for lp in r["loops"]:
                     if lp["mma"]:

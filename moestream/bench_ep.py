@@ -28,7 +28,7 @@ Providers, measured in the same run on the same inputs:
                   -stages and -tuned-graph forms exist for it as for fp8.
     staged-tuned-graph, fp8-staged-tuned-graph
                   staged-graph / fp8-staged-graph with ``stages.Tuning`` fields overridden
-                  (``tuning=``, CLI ``--tuning pdl=true,l1_block_n=128``) on top of each
+                  (``tuning=``, CLI ``--tuning gemm_claim=true,l1_block_n=128``) on top of each
                   call's defaults, so one run compares a launch option with the default on the
                   same inputs; rows carry the overrides under ``tuning``.
     staged-stages, fp8-staged-stages
@@ -123,7 +123,7 @@ def check_providers(providers: Sequence[str], tuning: dict | None = None) -> Non
 
 
 def parse_tuning(text: str) -> dict:
-    """``"pdl=true,l1_block_n=128"`` -> ``{"pdl": True, "l1_block_n": 128}``: fields of
+    """``"gemm_claim=true,l1_block_n=128"`` -> ``{"gemm_claim": True, "l1_block_n": 128}``: fields of
     ``stages.Tuning`` with values true/false, none, integers or words; checked by building a
     Tuning with them (its ValueErrors name what is allowed)."""
     from dataclasses import fields

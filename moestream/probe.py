@@ -13,7 +13,7 @@ peer fault cannot lose the other figures):
 ``grouped_gemm``            rows per expert 16/128/512/2048, 32 experts, the dsv3 L1 GEMM
                             (N = 2I = 4096, K = H = 7168), FLOP on valid rows: ``torch`` is
                             ``torch._grouped_mm``; ``triton`` is the project's L1 kernel through
-                            ``moestream.bench_kernels.bench_gemm`` (variant ``layer-default``);
+                            ``moestream.bench_kernels.bench_gemm`` (variant ``layer-call``);
                             the L2 GEMM (N = H, K = I) too, recorded under ``l2_tflops`` (the
                             model does not read it)
 ``cache_read`` (recorded)   a Triton kernel re-reading a buffer of 8 MiB .. 512 MiB many times in one
@@ -66,7 +66,7 @@ __all__ = ["ProbeError", "ProbePlan", "ProbeResults", "probe_plan", "run_probe",
 GEMM_PROVIDERS = ("torch", "triton")
 # the grouped GEMM of the calibration: dsv3's L1 (gate and up), 32 local experts
 _GROUPED_DIMS = dict(hidden=7168, intermediate=2048, experts=32)
-_TRITON_VARIANT = "layer-default"
+_TRITON_VARIANT = "layer-call"   # the L1 as the layer launches it for each call
 # the packaged calibration's device-pull row (7 KB): the schema keeps one row size
 SCHEMA_ROW_BYTES = 7168
 

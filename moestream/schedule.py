@@ -193,7 +193,7 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         num_sms: programs that fit on the device at once (sizes the waves).
         l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``wave_block_order``,
             ``Tuning.l1_group_m``).
-        l2_lag: 1 (the fused launch's default, ``Tuning.fused_l2_lag``): a wave's L2
+        l2_lag: 1 (the order the fused launch runs): a wave's L2
             tickets follow the next wave's L1 tickets (the last wave's come after every L1
             ticket); 0: they follow its own L1 tickets.
     """

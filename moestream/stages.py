@@ -165,12 +165,9 @@ class Tuning:
         (``for_buffer`` turns them off on GPUs; then nothing is counted either, since every
         count is a release fence that holds its program until its stores are done); tests
         keep them on.
-    done_scope: memory scope of the L2 per-m-block completion count: "gpu" (enough, see
-        kernels/gemm.py; measured faster) or "sys".
     wave_blocks: L1 blocks that close an expert wave (None = ``wave_blocks(buffer)``;
         ``ONE_WAVE``: every expert of the call in one wave, as ``for_fused`` sets in decode
         pieces).
-    fused_warps/fused_stages: warps and pipeline depth of the fused launch (None = the L1's).
     fused_per_sm: fused programs asked for per SM when ``programs`` is 0 (capped at what one
         SM holds of the compiled kernel; ``for_fused``: 2 in decode pieces, else 1).
     fused_l2_group: column blocks per L2 ticket of the fused launch (must divide the L2's
@@ -179,10 +176,6 @@ class Tuning:
         completion count (a wait for the ticket's stores) per ticket instead of per block;
         the tiles are stored in l2_epilogue_split column pieces. 1: a ticket per block
         (stored whole when 128 wide).
-    fused_l2_lag: 0 or 1: the fused launch hands out a wave's L2 tickets right after its L1
-        tickets (0), or after the next wave's L1 tickets (1, the default), so that they find
-        their L1 blocks done instead of waiting (faster for multi-wave calls; decode pieces
-        run one wave: nothing to reorder).
     dispatch_tokens: source tokens per dispatch task of the fused launch (1: token-granular).
     dispatch_tile: tokens a dispatch task moves at once (a power of two; bytes in flight);
         a ticket of the staged dispatch is one tile of a source's tokens.
@@ -202,7 +195,7 @@ class Tuning:
     l2_flat: the staged L2's persistent loop over tiles and its K loop as one flat loop
         (``tl.range(..., flatten=True)``), so Triton's pipeliner prefetches the next tile's
         first K steps during this tile's epilogue. Only without waits (GPU staged path) and
-        with l2_signal "rank" (Triton 3.6's loop flattening crashes on the per-tile signal);
+        (Triton 3.6's loop flattening crashes on a per-tile signal);
         otherwise the plain loop runs. Faster with 128x128 tiles (the same loop in the L1 is
         slower, so the L1 has none).
     l1_one_dot: the staged L1 computes a block's gate and up columns as one MMA of
@@ -220,22 +213,11 @@ class Tuning:
         SM without spills at any rank count in quarters; halves spill from 2 ranks on). The
         fused launch stores a lone 128-wide tile whole, grouped (``fused_l2_group``) or wider
         tiles in these pieces.
-    l2_group_m: m-blocks the staged L2's tickets walk at a time (``kernels/gemm.grouped_tile``:
-        a weight column block is reused by that many m-blocks while it sits in L2 cache).
-        1 (n fastest) by default: 8 is no faster at large calls and slower at 16-128 rows
-        per expert.
     l1_group_m: m-blocks the staged L1's tickets walk at a time (``grouped_tile``), as
-        l2_group_m does for the L2. 1: n fastest. ``for_call`` groups 8 when an m-block has
+        the fused launch does too. 1: n fastest. ``for_call`` groups 8 when an m-block has
         so many column blocks that the programs running at once cover only a couple of
         m-blocks (mixtral: 112 per m-block), where n fastest streams the expert's w13 from
         HBM once per m-block (bf16 and fp8; fp4w's L1 is bound by its weight decode).
-    l2_signal: how the staged L2 tells the combine that rows are complete: "rank" (each L2
-        program counts itself once; the rank's last program releases every rank's
-        ``l2_ranks_done``; the combine waits for R there) or "rows" (every tile counts its
-        m-block; the m-block's last tile releases each row's combine flag, as the fused
-        launch does). "rank" saves an acq_rel atomic (a wait for the tile's stores) per tile.
-        With "rank", every rank on this GPU and ``wait`` off, neither is needed: the combine
-        follows the L2 in stream order (``l2_stream``).
     combine_tile: tokens per combine task of the fused launch (a power of two).
     combine_parts: column parts of the hidden dimension per combine_tile tokens in the fused
         launch, each its own task (``fused_default``: enough tasks for the SMs at small T).
@@ -248,12 +230,7 @@ class Tuning:
     l2_split_m: the staged L2 works in tiles of block_m / l2_split_m rows (1 or 2): with 2,
         an fp8 128-column tile fits 4 warps (one warpgroup of m64 MMAs, two fp32 tiles of 64
         registers) and several programs per SM, so one program's epilogue overlaps
-        another's loads, as the bf16 L2 does at 128 rows. Needs l2_signal "rank".
-    pdl: launch the staged kernels with programmatic dependent launch (``kernels/_common.
-        pdl_enter``): each kernel's programs are placed while the previous kernel finishes and
-        start the moment it completes, instead of after a launch gap (sm_90+; the interpreter
-        ignores it; the fused launch does not use it). Off by default: it saves a few µs at 1
-        token and costs more than that from 128 tokens up.
+        another's loads, as the bf16 L2 does at 128 rows.
     decode_rows: 0 (off), 16 or 32: the staged L1 and L2 compute each block as weights @
         rows^T (swap AB: the weight tile is the MMA's row operand, [block_n, rows]
         accumulators): a block of at most decode_rows valid rows as one piece of that many
@@ -261,7 +238,7 @@ class Tuning:
         padding (the fp8 L1 loads by descriptor then); a fuller block in pieces of 32 rows
         (or block_m if smaller). Each piece reads the block's weights once. ``for_call`` turns it
         on for calls whose experts expect few rows (``decode_rows_for``). Must divide
-        block_m; needs l2_signal "rank"; the L2 runs its plain loop (l2_flat and l2_split_m
+        block_m; the L2 runs its plain loop (l2_flat and l2_split_m
         do not apply); the fused launch ignores it.
     l1_tail_rows, l2_tail_rows: 0 (off), 16 or 32: tail pieces. The staged L1 (L2) computes
         a block (L2: a row piece of block_m / l2_split_m rows) that holds at most this many
@@ -271,7 +248,7 @@ class Tuning:
         end in such a partly filled m-block once calls reach ~block_m rows per expert (dsv3 at
         2048 tokens: ~1.5 m-blocks per expert, each costing a whole tile). Does not apply with
         decode_rows (decode pieces cover those blocks already) or fp4w. Must divide block_m
-        (L2: block_m / l2_split_m); the L2's need l2_signal "rank", and with them Triton 3.6
+        (L2: block_m / l2_split_m); with them Triton 3.6
         does not flatten the L2 loop even when l2_flat asks (sm_90 compile: the flat and the
         plain form take the same shared memory).
     fp4w_rows: 16, 32, 64, 128 or 256 (capped at block_m, must divide it): MoEConfig dtype
@@ -279,7 +256,7 @@ class Tuning:
         decoding the block's weights again (kernels/gemm_fp4.py; decode_rows does not apply).
         16-row pieces run as fp16 warp MMAs (exact; ``decode`` picks them for decode-sized
         calls), 64-row pieces as fp8 warpgroup MMAs (``hopper``'s default). Pieces smaller
-        than block_m need l2_signal "rank"; the L2 runs its plain loop.
+        than block_m: the L2 runs its plain loop.
     host_descriptors: where the staged L1 / L2 load by descriptor (use_tma) and the buffer
         has one local rank (every real rank; one virtual rank), the host builds the
         descriptors (``host_descriptors``) and passes them as kernel parameters, instead of
@@ -340,13 +317,9 @@ class Tuning:
     l2_block_k: int | None = None
     use_tma: bool | None = None
     wait: bool = True
-    done_scope: str = "gpu"
     wave_blocks: int | None = None
-    fused_warps: int | None = None
-    fused_stages: int | None = None
     fused_per_sm: int = 1
     fused_l2_group: int = 1
-    fused_l2_lag: int = 1
     dispatch_tokens: int = 1
     dispatch_tile: int = 1
     chunk_blocks: int = 1
@@ -358,14 +331,11 @@ class Tuning:
     combine_per_sm: int = 4
     dispatch_eager: bool = False
     dispatch_parts: int = 1
-    l2_group_m: int = 1
     l1_group_m: int = 1
-    l2_signal: str = "rank"
     l2_flat: bool = False
     l1_one_dot: bool = False
     l1_one_dot_stages: int | None = None
     l2_epilogue_split: int = 1
-    pdl: bool = False
     l2_split_m: int = 1
     decode_rows: int = 0
     l1_tail_rows: int = 0
@@ -551,7 +521,7 @@ class Tuning:
 
     def __post_init__(self):
         for name in ("dispatch_tokens", "dispatch_tile", "chunk_blocks", "dispatch_programs",
-                     "l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
+                     "gemm_per_sm", "dispatch_parts", "combine_per_sm",
                      "l1_group_m", "fused_per_sm", "combine_parts", "fused_l2_group"):
             v = getattr(self, name)
             low = 0 if name == "dispatch_programs" else 1
@@ -568,8 +538,6 @@ class Tuning:
             if (getattr(self, name) or 1) > 16:
                 raise ValueError(f"Tuning.{name} must be at most 16 (warps of one program), "
                                  f"got {getattr(self, name)!r}")
-        if self.l2_signal not in ("rank", "rows"):
-            raise ValueError(f"Tuning.l2_signal must be 'rank' or 'rows', got {self.l2_signal!r}")
         if self.host_descriptors is not None and type(self.host_descriptors) is not bool:
             raise ValueError(f"Tuning.host_descriptors must be None (while capturing a CUDA "
                              f"graph), True or False, got {self.host_descriptors!r}")
@@ -582,12 +550,6 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.l2_split_m) is not int or self.l2_split_m not in (1, 2):
             raise ValueError(f"Tuning.l2_split_m must be 1 or 2, got {self.l2_split_m!r}")
-        if self.l2_split_m > 1 and self.l2_signal != "rank":
-            raise ValueError("Tuning.l2_split_m > 1 needs l2_signal='rank' (row pieces of an "
-                             "m-block cannot release its rows' combine flags)")
-        if type(self.fused_l2_lag) is not int or self.fused_l2_lag not in (0, 1):
-            raise ValueError(f"Tuning.fused_l2_lag must be 0 or 1 (waves an L2 ticket follows "
-                             f"its L1 by), got {self.fused_l2_lag!r}")
         for name in ("l1_split_k", "l2_split_k"):
             v = getattr(self, name)
             if type(v) is not int or v not in (1, 4, 8, 16):
@@ -598,18 +560,10 @@ class Tuning:
         if type(self.decode_rows) is not int or self.decode_rows not in (0, 16, 32):
             raise ValueError(f"Tuning.decode_rows must be 0 (off), 16 or 32, got "
                              f"{self.decode_rows!r}")
-        if self.decode_rows and self.l2_signal != "rank":
-            raise ValueError("Tuning.decode_rows needs l2_signal='rank' (decode pieces of an "
-                             "m-block cannot release its rows' combine flags)")
         for name in ("l1_tail_rows", "l2_tail_rows"):
             v = getattr(self, name)
             if type(v) is not int or v not in (0, 16, 32):
                 raise ValueError(f"Tuning.{name} must be 0 (off), 16 or 32, got {v!r}")
-        if self.l2_tail_rows and self.l2_signal != "rank":
-            raise ValueError("Tuning.l2_tail_rows needs l2_signal='rank' (tail pieces of an "
-                             "m-block cannot release its rows' combine flags)")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"Tuning.pdl must be a bool, got {self.pdl!r}")
         if type(self.l2_epilogue_split) is not int or self.l2_epilogue_split not in (1, 2, 4):
             raise ValueError(f"Tuning.l2_epilogue_split must be 1, 2 or 4, got "
                              f"{self.l2_epilogue_split!r}")
@@ -664,12 +618,7 @@ class Tuning:
         it divides block_m; 0 in other modes)."""
         if cfg.dtype != "fp4w":
             return 0
-        rows = min(self.fp4w_rows, cfg.block_m)
-        if rows < cfg.block_m and self.l2_signal != "rank":
-            raise ValueError(f"Tuning.fp4w_rows={self.fp4w_rows} below block_m={cfg.block_m} "
-                             f"needs Tuning.l2_signal='rank' (row pieces of an m-block cannot "
-                             f"release its rows' combine flags)")
-        return rows
+        return min(self.fp4w_rows, cfg.block_m)
 
     def check(self, cfg) -> None:
         """Every config-dependent rule of this tuning (ValueError), so that a staged call
@@ -703,12 +652,6 @@ class Tuning:
 
     def tma(self, buffer: SymmBuffer) -> bool:
         return _constants(buffer).hopper if self.use_tma is None else self.use_tma
-
-    def pdl_args(self, buffer: SymmBuffer) -> dict:
-        """Launch arguments of a staged kernel: ``{"PDL": True, "launch_pdl": True}`` when
-        programmatic dependent launch is on (``pdl``, on a Hopper or newer GPU), else none."""
-        # a CPU buffer without the interpreter is moestream.aot compiling for sm_90
-        return _pdl_kw(self.pdl and (_constants(buffer).hopper or buffer.device.type != "cuda"))
 
 
 @dataclass(frozen=True)
@@ -816,11 +759,6 @@ def _programs(buffer: SymmBuffer, tuning: Tuning, per_sm: int, kernel=None, args
     return c.sms * per_sm
 
 
-def _pdl_kw(on: bool) -> dict:
-    """Kernel arguments that turn programmatic dependent launch on (compiled kernels only)."""
-    return {"PDL": True, "launch_pdl": True} if on and not INTERPRET else {}
-
-
 def _launch_kw(warps: int, stages: int | None = None) -> dict:
     if INTERPRET:
         return {}
@@ -830,22 +768,21 @@ def _launch_kw(warps: int, stages: int | None = None) -> dict:
     return kw
 
 
-def pick_slots(topk_idx: torch.Tensor, num_experts: int, *, tuning: Tuning = Tuning(),
-               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_slots(topk_idx: torch.Tensor, num_experts: int, *,
+               tuning: Tuning = Tuning()) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
     (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort, which
     cost tens of µs of GPU time per call at small T. The
     publish launch runs the same numbering (``kernels/dispatch.number_picks``) in programs of
     its own, straight into the buffer; this standalone form serves tests and callers that
-    want the slots as tensors. ``topk_idx`` must be contiguous. ``pdl``: launch it with
-    programmatic dependent launch (``Tuning.pdl``)."""
+    want the slots as tensors. ``topk_idx`` must be contiguous."""
     T, K = topk_idx.shape
     counts = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     slot = torch.empty(T, K, dtype=torch.int32, device=topk_idx.device)
     n = T * K
     _dispatch.source_slots_kernel[(num_experts + 1,)](
         topk_idx, slot, counts, n, num_experts, BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096),
-        **_pdl_kw(pdl), **_launch_kw(tuning.copy_warps))
+        **_launch_kw(tuning.copy_warps))
     return counts, slot
 
 
@@ -872,8 +809,7 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
         BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
-        FIX_ROUNDING=INTERPRET, HOST_BASE=True, PEER_SCOPE=buffer.peer_scope,
-        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
+        FIX_ROUNDING=INTERPRET, HOST_BASE=True, PEER_SCOPE=buffer.peer_scope, **_launch_kw(tuning.copy_warps))
 
 
 def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False) -> None:
@@ -890,8 +826,7 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
         off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], tuning.wave_blocks or wave_blocks(buffer),
         R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_J=8, USE_TIMER=not INTERPRET, WAVES=waves,
-        HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning),
-        **tuning.pdl_args(buffer))
+        HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning))
 
 
 def _row_chunk(words: int, hidden_chunk: int) -> int:
@@ -924,8 +859,7 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
         BH=_row_chunk(c.row_words, tuning.hidden_chunk), TT=tuning.dispatch_tile,
-        EAGER=tuning.dispatch_eager, SIGNAL=tuning.wait, HOST_BASE=buffer.host_base is not None,
-        **tuning.pdl_args(buffer), **_launch_kw(tuning.copy_warps))
+        EAGER=tuning.dispatch_eager, SIGNAL=tuning.wait, HOST_BASE=buffer.host_base is not None, **_launch_kw(tuning.copy_warps))
 
 
 def _weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1037,7 +971,6 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
               GROUP_M=tuning.l1_group_m, ONE_DOT=one_dot, SPLIT_K=split,
               CLAIM=tuning.gemm_claim, HOST_BASE=host_base is not None, **host_kw,
-              **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l1_warps, (one_dot and tuning.l1_one_dot_stages)
                            or tuning.l1_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
@@ -1077,16 +1010,14 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
             off["off_l2_ranks_done"], off["off_gemm_claims"] + 16,   # the L2's row
             H, I, E_LOC, cfg.max_tokens_per_rank,
             I // tuning.l1_tile(cfg)[0], c.P, c.R, c.R_PAD, cfg.act_bytes, *descs, sums, counts)
-    flat = tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank" and not pieces
+    flat = tuning.l2_flat and not tuning.wait and not pieces
     kw = dict(K=cfg.top_k, BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=tma,
-              WAIT=tuning.wait, DONE_SCOPE=tuning.done_scope, USE_TIMER=not INTERPRET, FP8=fp8,
-              GROUP_M=tuning.l2_group_m, RANK_SIGNAL=tuning.l2_signal == "rank", FLAT=flat,
+              WAIT=tuning.wait, USE_TIMER=not INTERPRET, FP8=fp8, FLAT=flat,
               CLAIM=tuning.gemm_claim and not flat,
               EPI_SPLIT=tuning.l2_epilogue_split, SPLIT_M=split_m,
               DM=dm, W4=w4, TAIL=tail > 0, SPLIT_K=split, HOST_BASE=buffer.host_base is not None,
               PEER_SCOPE=buffer.peer_scope,
               STREAM=l2_stream(buffer, tuning), **host_kw,
-              **tuning.pdl_args(buffer),
               **_launch_kw(tuning.l2_warps, tuning.l2_stages))
     grid = (_programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
             buffer.local_ranks)
@@ -1109,13 +1040,13 @@ def stream_ordered(buffer: SymmBuffer, tuning: Tuning) -> bool:
 def l2_stream(buffer: SymmBuffer, tuning: Tuning) -> bool:
     """The L2 signals nothing and the combine waits for nothing (``stream_ordered`` with the
     rank signal; per-row flags keep their flags)."""
-    return stream_ordered(buffer, tuning) and tuning.l2_signal == "rank"
+    return stream_ordered(buffer, tuning)
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
     """y: [local ranks, T, H] bf16 (or [T, H] for one local rank); row stride may exceed H.
     ``tuning`` must be the one this call's L2 ran with: it decides whether the L2 signalled
-    and how (``l2_signal``, ``l2_stream``); a combine that waits for a signal the L2 did not
+    (``l2_stream``); a combine that waits for a signal the L2 did not
     send gives up at the buffer's timeout and records the stall (``SymmBuffer.check`` then
     raises ``KernelStallError``)."""
     cfg = buffer.config
@@ -1132,9 +1063,8 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD,
         BH=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
-        FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET, WAIT_RANKS=tuning.l2_signal == "rank",
+        FIX_ROUNDING=INTERPRET, USE_TIMER=not INTERPRET,
         HOST_BASE=buffer.host_base is not None, STREAM=l2_stream(buffer, tuning),
-        **tuning.pdl_args(buffer),
         **_launch_kw(tuning.combine_warps or tuning.copy_warps))
 
 
@@ -1251,12 +1181,11 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         BH=min(next_pow2(c.row_words), tuning.hidden_chunk), TT=tuning.dispatch_tile,
         EAGER=tuning.dispatch_eager, CT=tuning.combine_tile,
         BHC=min(next_pow2(cfg.hidden), tuning.combine_chunk or tuning.hidden_chunk),
-        UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET, DONE_SCOPE=tuning.done_scope,
+        UPCAST=INTERPRET, USE_TMA=tma, USE_TIMER=not INTERPRET,
         ONE_RANK=nloc == 1, TRACE=trace is not None, FP8=fp8, GROUP_M1=tuning.l1_group_m,
         DM=dm, L2G=group, EPI2=tuning.l2_epilogue_split if group > 1 or bn2 > 128 else 1,
-        L2_LAG=tuning.fused_l2_lag, SPLIT_K=split, MIN_SPLIT=fused_min_split(cfg), **host_kw,
-        **_launch_kw(tuning.fused_warps or tuning.l1_warps,
-                            tuning.fused_stages or tuning.l1_stages))
+        SPLIT_K=split, MIN_SPLIT=fused_min_split(cfg), **host_kw,
+        **_launch_kw(tuning.l1_warps, tuning.l1_stages))
     # one program per SM, or fused_per_sm where the compiled kernel fits that many (programs
     # never wait in a cycle however few are resident, kernels/fused.py; co-resident is faster)
     grid = (_programs(buffer, tuning, tuning.fused_per_sm, _fused.fused_kernel, args, kw), 1)

@@ -303,10 +303,10 @@ def test_tuned_providers_and_their_overrides():
     # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
     from moestream.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
                                     parse_tuning)
-    assert parse_tuning("pdl=true, l1_block_n=128,l2_signal=rows,use_tma=None") == {
-        "pdl": True, "l1_block_n": 128, "l2_signal": "rows", "use_tma": None}
+    assert parse_tuning("gemm_claim=true, l1_block_n=128,use_tma=None") == {
+        "gemm_claim": True, "l1_block_n": 128, "use_tma": None}
     assert parse_tuning("") == {}
-    check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"pdl": True})
+    check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"gemm_claim": True})
     assert _replayed("staged-tuned-graph") and _dtype("fp8-staged-tuned-graph") == "fp8"
     # their stage splits: timed stage by stage inside a graph, with the overrides
     check_providers(["staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"],
@@ -325,9 +325,9 @@ def test_tuned_providers_and_their_overrides():
     with pytest.raises(ValueError, match="need Tuning overrides"):
         check_providers(["staged-graph", "staged-tuned-graph"])
     for text, match in [("l1_blok_n=128", "unknown Tuning field 'l1_blok_n'"),
-                        ("pdl", "must be name=value"), ("l2_split_m=", "must be name=value"),
+                        ("l2_flat", "must be name=value"), ("l2_split_m=", "must be name=value"),
                         ("l2_split_m=3", "l2_split_m must be 1 or 2"),
-                        ("pdl=yes", "pdl must be a bool")]:
+                        ("l2_flat=yes", "l2_flat must be a bool")]:
         with pytest.raises(ValueError, match=match):
             parse_tuning(text)
 
@@ -517,29 +517,11 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
     assert l2_error(buf, cfg, w2s[0]) > 0.5
 
 
-@pytest.mark.parametrize("shape", ["dsv3", "qwen3"])
-def test_every_gemm_variant_is_a_valid_tuning(shape):
-    # the GEMM bench's variants (moestream.bench_kernels) run only on a GPU; their tunings are
-    # checked here against the shapes they are run at, so a variant that a later change makes
-    # invalid (a field renamed, a rule tightened) fails on the CPU, not in a device session
-    # (a variant without a tuning of its own takes the layer's for each call: test below)
-    from moestream.bench_kernels import VARIANTS
-    for name, v in VARIANTS.items():
-        if v.tuning is None:
-            continue
-        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64).with_(block_m=v.block_m,
-                                                                         dtype=v.dtype)
-        v.tuning.check(cfg)
-        assert cfg.intermediate % v.tuning.l1_tile(cfg)[0] == 0, name
-        assert cfg.hidden % v.tuning.l2_tile(cfg)[0] == 0, name
-
-
 def test_layer_call_variant_times_what_the_layer_picks(monkeypatch) -> None:
-    # "layer-call" (the kernel issue's table) times Tuning.for_call's pick for the bench's
-    # call with host descriptors (the layer's graphs), not a fixed tuning: at 2048 rows per
-    # expert that is the one-MMA L1 (one_dot_for), which "layer-default" is not. for_call is
-    # stood in for (it needs a GPU's SM count to pick anything); the tokens passed are the
-    # call's, and a fixed variant ignores both
+    # "layer-call" times Tuning.for_call's pick for the bench's call with host descriptors
+    # (the layer's graphs): e.g. at 2048 rows per expert the one-MMA L1 (one_dot_for).
+    # for_call is stood in for (it needs a GPU's SM count to pick anything); the tokens
+    # passed are the call's
     from moestream import stages
     from moestream.bench_kernels import VARIANTS
     from moestream.buffer import SymmBuffer
@@ -556,8 +538,6 @@ def test_layer_call_variant_times_what_the_layer_picks(monkeypatch) -> None:
         assert seen == [(buf, 128)]
         assert got == stages.Tuning(l1_one_dot=True, host_descriptors=True)
         assert not VARIANTS["layer-call"].tuning_for(buf, 8).l1_one_dot
-        fixed = VARIANTS["layer-default"]
-        assert fixed.tuning_for(buf, 128) is fixed.tuning and len(seen) == 2
     finally:
         buf.destroy()
 
@@ -607,7 +587,7 @@ def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
         "w2", {"wave_blocks": 264, "fused_per_sm": 1})
     assert mod.parse_variant("staged") == ("staged", {})
     assert mod.parse_variant("default") == ("default", {})
-    for bad, msg in [("w2", "NAME:field=value"), ("staged:pdl=true", "takes no overrides"),
+    for bad, msg in [("w2", "NAME:field=value"), ("staged:l2_flat=true", "takes no overrides"),
                      (":wave_blocks=2", "needs a name"), ("x:nope=1", "unknown Tuning field"),
                      ("x:fused_per_sm=0", "fused_per_sm must be an int >= 1")]:
         with pytest.raises(ValueError, match=msg):
@@ -639,13 +619,13 @@ def test_ab_summary_pairs_the_two_sides() -> None:
     assert entry["new_over_base"] == pytest.approx(432.0 / 475.0)
     assert "staged-graph" in mod.format_summary([entry]) and "0.909" in mod.format_summary([entry])
     # GEMM rows (moestream bench --virtual-ranks): the L1 and L2 of one point stay apart
-    gemm = dict(point, provider="ours:layer-default")
+    gemm = dict(point, provider="ours:layer-call")
     rows = [{**gemm, "kernel": k, "median_us": t, "code": c} for k, t, c in
             (("l1", 1481.0, "base x"), ("l2", 776.0, "base x"), ("l1", 1400.0, "new"),
              ("l2", 780.0, "new"))]
     l1, l2 = sorted(mod.summarize(rows), key=lambda e: e["kernel"])
     assert (l1["base_us"], l1["new_us"], l2["base_us"], l2["new_us"]) == (1481, 1400, 776, 780)
-    assert "ours:layer-default l2" in mod.format_summary([l2])
+    assert "ours:layer-call l2" in mod.format_summary([l2])
 
 
 def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
@@ -664,92 +644,6 @@ def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
         mod.run("abc", str(tmp_path / "o.jsonl"), ["--shapes", "qwen3"], 10, into=tmp_path)
     with pytest.raises(ValueError, match="pass --out to ab_commits.py"):
         mod.run("HEAD", str(tmp_path / "o.jsonl"), ["--out", "x.jsonl"], 10, into=tmp_path)
-
-
-def _script(name: str):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_launch_floor_dry_run(tmp_path, capsys) -> None:
-    # benchmarks/launch_floor.py under the interpreter: two experts at small dims, the
-    # m-block count set to 0, 1 and 2 before each timing; rows for both GEMMs, the empty
-    # kernel, the plain read of the same bytes and the L2's bytes read in its tile order
-    # (whose sums the script checks against torch's), and a fitted line per GEMM and per
-    # read (the CPU's numbers mean nothing: the shape of the output is what is checked)
-    mod = _script("launch_floor")
-    out = tmp_path / "rows.jsonl"
-    assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
-                     "0,1,2", "--reps", "1", "--warmup", "0", "--variants", "dec16",
-                     "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    timed = [(r["variant"], r["kernel"], r["blocks"]) for r in rows if not r.get("fit")]
-    assert timed == [("read", "l1", 0), ("read", "l1", 1), ("read", "l1", 2),
-                     ("read", "l2", 0), ("read", "l2", 1), ("read", "l2", 2),
-                     ("read-tiles", "l2", 0), ("read-tiles", "l2", 1), ("read-tiles", "l2", 2),
-                     ("dec16", "empty[l1 grid]", 0), ("dec16", "l1", 0), ("dec16", "l1", 1),
-                     ("dec16", "l1", 2), ("dec16", "empty[l2 grid]", 0), ("dec16", "l2", 0),
-                     ("dec16", "l2", 1), ("dec16", "l2", 2)]
-    for variant in ("read", "read-tiles", "dec16"):   # the same bytes for reads and GEMM
-        assert [r["weight_bytes"] for r in rows if r["kernel"] == "l2"
-                and r["variant"] == variant and not r.get("fit")] == [
-            0, 256 * 128 * 2, 2 * 256 * 128 * 2]
-    assert [(r["variant"], r["kernel"]) for r in rows if r.get("fit")] == [
-        ("read", "l1"), ("read", "l2"), ("read-tiles", "l2"), ("dec16", "l1"), ("dec16", "l2")]
-    assert "fixed" in capsys.readouterr().out
-    with pytest.raises(SystemExit):   # argparse's error: a count past the experts
-        mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks", "3"])
-
-
-def test_launch_floor_tile_forms_and_mma_probe(tmp_path) -> None:
-    # the L2's tile-read forms (four programs per SM, K-block-major boxes, pointer loads),
-    # each summed and checked against torch's sum by the script, and the decode L2's MMA
-    # alone and with its stores, normal and evict_last (values
-    # checked on GPUs only: the interpreter's tl.dot of descriptor-loaded bf16 tiles is
-    # wrong); an fp8 GEMM variant, whose weight bytes are its e4m3 values
-    mod = _script("launch_floor")
-    out = tmp_path / "rows.jsonl"
-    forms = "read-tiles-4sm,read-tiles-kb,read-tiles-ptr"
-    assert mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--blocks",
-                     "1,2", "--reps", "1", "--warmup", "0", "--variants", "fp8-dec16",
-                     "--tile-forms", forms, "--mma-tiles", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    timed = [(r["variant"], r["blocks"]) for r in rows if not r.get("fit") and r["kernel"] == "l2"
-             and r["variant"] != "read"]
-    assert timed == [(f, b) for f in forms.split(",") + ["mma-tiles", "mma-tiles-store",
-                                                          "mma-tiles-store-el", "fp8-dec16"]
-                     for b in (1, 2)]
-    assert [r["weight_bytes"] for r in rows if r["variant"] == "fp8-dec16"
-            and r["kernel"] in ("l1", "l2") and not r.get("fit")] == [
-        2 * 128 * 256, 2 * 2 * 128 * 256, 256 * 128, 2 * 256 * 128]
-    assert {r["variant"] for r in rows if r.get("fit")} >= set(forms.split(","))
-    with pytest.raises(SystemExit):   # argparse's error: an unknown form
-        mod.main(["--device", "cpu", "--dims", "256,128", "--experts", "2", "--tile-forms",
-                  "read-tiles-x"])
-
-
-def test_k_blocked_weights_put_each_box_in_a_row_run() -> None:
-    # [E, H, I] -> rows (e, k step, h) of [E * I / bk * H, bk]: box (e, i, h0..h0+127) is
-    # 128 consecutive rows, the same values as w[e, h0.., i*bk..(i+1)*bk]
-    mod = _script("launch_floor")
-    w = torch.randn(3, 256, 128)
-    kb = mod.k_blocked(w, 64)
-    assert kb.shape == (3 * 2 * 256, 64) and kb.is_contiguous()
-    for e, i, h0 in ((0, 0, 0), (1, 1, 128), (2, 1, 0)):
-        row = (e * 2 + i) * 256 + h0
-        assert torch.equal(kb[row:row + 128], w[e, h0:h0 + 128, i * 64:(i + 1) * 64])
-
-
-def test_fit_line_gives_intercept_and_slope() -> None:
-    mod = _script("launch_floor")
-    assert mod.fit_line([(0, 7.0), (100, 32.0), (200, 57.0)]) == pytest.approx((7.0, 0.25))
-    with pytest.raises(ValueError, match="two or more distinct x"):
-        mod.fit_line([(1, 2.0), (1, 3.0)])
 
 
 def test_bench_weights_are_drawn_per_expert_reproducibly():

@@ -406,8 +406,8 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     # 16-row pieces of 64-row blocks (the decode form): a block's rows in up to four pieces,
     # the last one partly filled; the L2 pieces store into the combine slots by offset r0
     stages.Tuning(fp4w_rows=16),
-    # whole 64-row blocks, 256-wide L1 blocks (two scale groups), rows signalled per m-block
-    stages.Tuning(fp4w_rows=64, l1_block_n=256, l2_block_n=64, l2_signal="rows"),
+    # whole 64-row blocks, 256-wide L1 blocks (two scale groups)
+    stages.Tuning(fp4w_rows=64, l1_block_n=256, l2_block_n=64),
     # 32-row pieces, no waits, three programs walking the tiles
     stages.Tuning(fp4w_rows=32, wait=False, programs=3),
     # L1 tickets in groups of 3 m-blocks (Tuning.for_call's choice at mixtral dims), waits on
@@ -442,15 +442,15 @@ def test_fp4w_input_errors(gen):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
     with pytest.raises(ValueError, match="fp4w_rows"):
         stages.Tuning(fp4w_rows=48)
-    # pieces smaller than block_m cannot release their rows' combine flags: the rank signal is
-    # required, checked before the first launch, so the buffer serves the next call
+    # a tuning the config rejects is a ValueError before the first launch, so the buffer
+    # serves the next call
     cfg32 = fp8_config(num_experts=4, dtype="fp4w", block_m=32)
     buf32 = SymmBuffer(cfg32, num_ranks=2, device="cpu")
     xs, idxs, ws, w13q, w2q = make_case(cfg32, [4, 4], gen, "cpu")
     epochs = [int(buf32.view("epoch", r)[0]) for r in range(2)]
-    with pytest.raises(ValueError, match="l2_signal='rank'"):
+    with pytest.raises(ValueError, match="l1_block_n 128 or 256"):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32,
-                         tuning=stages.Tuning(fp4w_rows=16, l2_signal="rows"))
+                         tuning=stages.Tuning(fp4w_rows=16, l1_block_n=64))
     assert [int(buf32.view("epoch", r)[0]) for r in range(2)] == epochs   # nothing launched
     ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32, tuning=stages.Tuning(fp4w_rows=16))
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg32.hidden, quant="fp4w")

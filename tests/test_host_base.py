@@ -144,8 +144,6 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
     (4, [7, 0, 12, 1], stages.Tuning(wait=False), True),
     # waits on (the interpreter's default): the rank signal and the combine's wait stay
     (2, [5, 9], stages.Tuning(decode_rows=16, l2_block_n=64), False),
-    # per-row flags ("rows"): the L2 releases each row's flag, the combine waits for them
-    (1, [9], stages.Tuning(l2_signal="rows", wait=False), False),
 ])
 def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts, tuning,
                                                     stream):
@@ -160,8 +158,8 @@ def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts
     assert kinds["l2_kernel"]["STREAM"] is stream and kinds["combine_kernel"]["STREAM"] is stream
     # what the L2's programs left in this call's counters (publish zeroes them every call):
     # with the rank signal every program counted itself and every rank was released once
-    # by each rank's last program; stream-ordered, nothing; per-row flags use neither
-    rank_signal = tuning.l2_signal == "rank" and not stream
+    # by each rank's last program; stream-ordered, nothing
+    rank_signal = not stream
     for r in range(R):
         assert int(buf.view("l2_ranks_done", r)[0]) == (R if rank_signal else 0), r
         assert (int(buf.view("l2_programs", r)[0]) > 0) is rank_signal, r

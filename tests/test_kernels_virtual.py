@@ -279,15 +279,13 @@ def test_bad_granularity_names_what_is_allowed(gen):
                              tuning=stages.Tuning(**bad))
     with pytest.raises(ValueError, match="dispatch_tile"):
         stages.Tuning(dispatch_tile=3)
-    with pytest.raises(ValueError, match="l2_signal must be 'rank' or 'rows'"):
-        stages.Tuning(l2_signal="tile")
     for name in ("copy_warps", "combine_warps", "hidden_chunk", "combine_chunk"):
         for bad in (3, 0, 2.0, True):
             with pytest.raises(ValueError, match=f"{name} must be a power of two"):
                 stages.Tuning(**{name: bad})
     with pytest.raises(ValueError, match="combine_warps must be at most 16"):
         stages.Tuning(combine_warps=32)
-    for name in ("l2_group_m", "gemm_per_sm", "dispatch_parts", "combine_per_sm",
+    for name in ("gemm_per_sm", "dispatch_parts", "combine_per_sm",
                  "l1_group_m", "fused_per_sm", "combine_parts", "fused_l2_group"):
         for bad in (0, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
@@ -301,17 +299,9 @@ def test_bad_granularity_names_what_is_allowed(gen):
     for bad in (0, 9, 3.0, True, "3"):
         with pytest.raises(ValueError, match="l1_one_dot_stages must be None"):
             stages.Tuning(l1_one_dot_stages=bad)
-    for bad in (1, "on", None):
-        with pytest.raises(ValueError, match="pdl must be a bool"):
-            stages.Tuning(pdl=bad)
-    for bad in (2, -1, True, 1.0):
-        with pytest.raises(ValueError, match="fused_l2_lag must be 0 or 1"):
-            stages.Tuning(fused_l2_lag=bad)
     for bad in (0, 3, True, 2.0):
         with pytest.raises(ValueError, match="l2_split_m must be 1 or 2"):
             stages.Tuning(l2_split_m=bad)
-    with pytest.raises(ValueError, match="l2_split_m > 1 needs l2_signal='rank'"):
-        stages.Tuning(l2_split_m=2, l2_signal="rows")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -347,7 +337,7 @@ _RANDOM_TUNING = dict(
     l2_epilogue_split=[1, 2, 4], l2_flat=[False, True], wait=[True, False], l2_split_m=[1, 2],
     use_tma=[None, True, False], programs=[0, 1, 3], hidden_chunk=[64, 128, 1024],
     combine_chunk=[None, 32, 64, 128], dispatch_tile=[1, 2, 4, 8], l1_group_m=[1, 2, 3],
-    l2_group_m=[1, 2], decode_rows=[0, 16, 32], l1_tail_rows=[0, 16, 32],
+    decode_rows=[0, 16, 32], l1_tail_rows=[0, 16, 32],
     l2_tail_rows=[0, 16, 32])
 
 
@@ -515,7 +505,7 @@ def test_gemm_without_dispatch_reports_the_stalled_block(device, gen):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_combine_without_l2_reports_the_missing_ranks(device, gen):
-    # the staged combine waits once for every rank's L2 (Tuning.l2_signal "rank"); with the
+    # the staged combine waits once for every rank's L2 (the rank signal); with the
     # L2 launch skipped it gives up with a stall naming that wait, instead of summing garbage
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=2, device=device, timeout_spins=64)
@@ -595,20 +585,11 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(use_tma=False),                                     # pointer loads
     stages.Tuning(l1_block_n=32, l1_block_k=32, l2_block_n=128, l2_block_k=16),  # other tiles
     stages.Tuning(wait=False, programs=3),                            # stream order only
-    stages.Tuning(wait=False, done_scope="sys", use_tma=True),        # conservative L2 scope
-    stages.Tuning(l2_group_m=1, l2_block_n=32),                       # L2 tickets n fastest
-    stages.Tuning(l2_group_m=3, l2_block_n=32, programs=3),           # groups of 3 m-blocks,
-                                                                      # the last one partial
-    stages.Tuning(l2_signal="rows", wait=False),                      # per-row combine flags
+    stages.Tuning(l2_block_n=32, programs=3),                         # more L2 tiles
     stages.Tuning(wait=False, l2_flat=True, programs=3),             # flat L2 (tile, k) loop
     stages.Tuning(l2_epilogue_split=2, l2_block_n=64),                # L2 stores in two halves
     stages.Tuning(l2_epilogue_split=4, l2_block_n=128, use_tma=True),  # ... in four quarters
-    stages.Tuning(wait=False, l2_flat=True, l2_epilogue_split=2, l2_group_m=2,
-                  use_tma=True),                                      # all three at once
-    stages.Tuning(wait=False, l2_flat=True, l2_signal="rows"),        # flat falls back to the
-                                                                      # plain loop with rows
-    stages.Tuning(pdl=True, wait=False),      # launches overlap their predecessor's tail (GPU;
-    stages.Tuning(pdl=False, wait=False),     # the interpreter ignores it) / plain launches
+    stages.Tuning(wait=False, l2_flat=True, l2_epilogue_split=2, use_tma=True),   # both
     # the staged combine with its own launch shape, summing rows in 64-column chunks (hidden
     # 256: four chunks per token, so the chunk loop's offsets are exercised)
     stages.Tuning(combine_warps=8, combine_per_sm=1, combine_chunk=64),
@@ -627,9 +608,8 @@ def test_bad_arguments_name_what_is_wrong(gen):
     stages.Tuning(use_tma=False, l1_one_dot=True),
     # the GPU default (Tuning.hopper): one 256-wide L2 column block of 8 warps, flat loop
     stages.Tuning.hopper(128, hidden=256, intermediate=128),
-], ids=["tma", "pointers", "tiles", "nowait", "sys-scope", "l2-group1", "l2-group3",
-        "row-signal", "flat", "epilogue-split", "epilogue-split4", "flat-split-group",
-        "flat-rows", "pdl", "no-pdl", "combine-shape", "l1-group3", "l1-group8",
+], ids=["tma", "pointers", "tiles", "nowait", "l2-tiles", "flat", "epilogue-split",
+        "epilogue-split4", "flat-split", "combine-shape", "l1-group3", "l1-group8",
         "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers",
         "gpu-default"])
 def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
@@ -678,7 +658,7 @@ def test_one_dot_l1_runs_three_stages_where_hidden_is_long(shape, stages_l1):
         depth = stages.Tuning.for_buffer(buf).l1_stages
         assert t.l1_stages == depth, tokens   # the other L1 forms keep theirs
         fused = stages.fused_tuning(buf, tokens)
-        assert (fused.fused_stages or fused.l1_stages) == depth, tokens
+        assert fused.l1_stages == depth, tokens
         buf.destroy()
     assert stages.ONE_DOT_SHALLOW_MIN_HIDDEN == 4096 and stages.ONE_DOT_L1_STAGES == 3
 
@@ -715,9 +695,9 @@ def test_counters_are_counted_only_for_launches_that_wait(device, gen, wait):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     stages.Tuning(l2_split_m=2, use_tma=True, l2_block_n=64),          # pieces by descriptor
-    stages.Tuning(l2_split_m=2, use_tma=False, wait=False, l2_flat=True, l2_group_m=2,
-                  l2_epilogue_split=2, programs=3),                    # pointers, flat, groups
-], ids=["tma", "pointers-flat-group"])
+    stages.Tuning(l2_split_m=2, use_tma=False, wait=False, l2_flat=True,
+                  l2_epilogue_split=2, programs=3),                    # pointers, flat
+], ids=["tma", "pointers-flat"])
 def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows, the least a GPU dot takes);
     # two experts per rank get ~30 rows each: first pieces full, second ones partly filled
@@ -822,7 +802,7 @@ def claims_in(buf, cfg, tuning) -> dict[tuple[str, int], bool]:
     """Which staged GEMM launch of the call just run claimed tickets, per (GEMM, local rank):
     more tickets (m-blocks x column blocks, or row pieces) than twice its programs."""
     programs = stages._programs(buf, tuning, tuning.gemm_per_sm)
-    flat = tuning.l2_flat and not tuning.wait and tuning.l2_signal == "rank"
+    flat = tuning.l2_flat and not tuning.wait
     out = {}
     for d in range(buf.local_ranks):
         blocks = int(buf.view("block_start", d)[-1])
@@ -897,8 +877,6 @@ def test_tail_rows_rules():
         stages.Tuning(l1_tail_rows=8)
     with pytest.raises(ValueError, match="l2_tail_rows must be 0"):
         stages.Tuning(l2_tail_rows=64)
-    with pytest.raises(ValueError, match="l2_signal='rank'"):
-        stages.Tuning(l2_tail_rows=16, l2_signal="rows")
     with pytest.raises(ValueError, match="l2_tail_rows=32 must divide the L2 row piece"):
         stages.Tuning(l2_tail_rows=32, l2_split_m=2).tail_pieces(cfg, "l2")
     with pytest.raises(ValueError, match="l1_tail_rows=32 must divide"):
@@ -914,8 +892,6 @@ def test_decode_rows_must_fit_the_block(gen):
     # user errors name the field and what is allowed
     with pytest.raises(ValueError, match="decode_rows must be 0"):
         stages.Tuning(decode_rows=64)
-    with pytest.raises(ValueError, match="l2_signal='rank'"):
-        stages.Tuning(decode_rows=16, l2_signal="rows")
     with pytest.raises(ValueError, match="must divide block_m=16"):
         stages.Tuning(decode_rows=32).decode_pieces(small_config(block_m=16))
 
@@ -1145,7 +1121,7 @@ def test_run_staged_marks_each_stage_in_order(gen):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("R, Ts, e_per_rank, several_waves, extra", [
     # two ranks, several expert waves each: a wave's L2 tickets after the next wave's L1
-    # tickets (the last wave's after all L1; the default fused_l2_lag 1)
+    # tickets (the last wave's after all L1)
     (2, [24, 20], 6, True, {}),
     (3, [10, 0, 24], 4, False, {}),  # a rank with no tokens still serves its experts
     # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
@@ -1155,10 +1131,8 @@ def test_run_staged_marks_each_stage_in_order(gen):
     # L2 tickets of all 4 column blocks: an m-block completes with its first ticket; a rank
     # with no tokens
     (3, [10, 0, 24], 4, False, dict(fused_l2_group=4)),
-    # a wave's L2 tickets right after its own L1 tickets (fused_l2_lag 0)
-    (2, [24, 20], 6, True, dict(fused_l2_lag=0)),
-    # ... with L2 groups, and on three ranks, one of them without tokens
-    (3, [24, 0, 17], 5, True, dict(fused_l2_lag=0, fused_l2_group=2, l1_group_m=2)),
+    # L2 groups and L1 groups on three ranks, one of them without tokens
+    (3, [24, 0, 17], 5, True, dict(fused_l2_group=2, l1_group_m=2)),
     # one rank (R=1: the launch's one set of weights and descriptors), several waves
     (1, [24], 6, True, {}),
 ])
@@ -1178,7 +1152,7 @@ def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
                            block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
                            n_blocks_l2=cfg.l2_n_blocks // tuning.fused_l2_group, num_sms=8,
-                           l1_group_m=tuning.l1_group_m, l2_lag=tuning.fused_l2_lag)
+                           l1_group_m=tuning.l1_group_m)
     want = []
     for t in sched.virtual_order():
         if t.phase == 0:

@@ -64,12 +64,6 @@ def compiled_tail(compiled_rows) -> dict[tuple[str, str], dict]:
 
 
 @pytest.fixture(scope="module")
-def compiled_pdl(compiled_rows) -> dict[str, dict]:
-    """The staged kernels launched with programmatic dependent launch (Tuning.pdl)."""
-    return {r["name"]: r for r in compiled_rows if r["kernel"].endswith(" pdl")}
-
-
-@pytest.fixture(scope="module")
 def compiled_fp4w(compiled_rows) -> dict[tuple[str, str], dict]:
     """The fp4w layer's kernels (staged path) by (name, "default" | "decode")."""
     return {(r["name"], "decode" if r["kernel"].endswith(" decode") else "default"): r
@@ -107,18 +101,6 @@ def test_buffer_rows_move_in_vectors(compiled_rows):
     # calls). No layer kernel, in any mode, may have such an access.
     narrow = {r["kernel"]: r["narrow_global"] for r in compiled_rows if r["narrow_global"]}
     assert not narrow, narrow
-
-
-def test_programmatic_dependent_launch_only_when_asked(compiled, compiled_fp8, compiled_pdl):
-    # Tuning.pdl (off by default): every staged kernel is then launched with launch_pdl and
-    # starts with griddepcontrol.wait (pdl_enter); without it, none is
-    assert set(compiled_pdl) == {"publish_kernel", "layout_kernel", "dispatch_kernel",
-                                 "l1_kernel", "l2_kernel", "combine_kernel"}
-    for row in compiled_pdl.values():
-        assert row["launch_pdl"] and row["grid_dep_wait"], row
-    for rows in (compiled, compiled_fp8):
-        for row in rows.values():
-            assert not row["launch_pdl"] and not row["grid_dep_wait"], row
 
 
 def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):

@@ -33,8 +33,7 @@ if not INTERPRET and not torch.cuda.is_available() and "TRITON_INTERPRET" not in
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.language.extra.cuda import (gdc_launch_dependents, gdc_wait,  # noqa: E402
-                                         globaltimer)
+from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 if INTERPRET:
     from ._interpret import (enable_overflow_checks, index_scalars_with_item,
@@ -46,7 +45,7 @@ if INTERPRET:
     else:
         skip_discarded_overflow_checks()
 
-__all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "pdl_enter", "peer_ptr",
+__all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "peer_ptr",
            "peer_ptrs", "aligned_ptr_from", "at", "rank_base",
            "wait_at_least", "wait_all_at_least", "record_stall", "now_ns", "stalled",
            "PHASE_CODES", "next_pow2", "DECODE_STORE_EVICT"]
@@ -93,20 +92,6 @@ def zero_acc(ROWS: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
     else:
         acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     return acc
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """First statement of a staged kernel. PDL (programmatic dependent launch, sm_90+; the
-    launch sets ``launch_pdl``): this grid may have been launched while the previous kernel on
-    the stream still ran, so wait until that kernel has completed and its writes are visible
-    (``griddepcontrol.wait``; transitively every earlier kernel, each waited in turn), then
-    allow the next kernel's programs to launch early: they take free SM slots and wait here
-    in turn, which removes the launch gap between stages. The next grid launches only once
-    every program of this one has started, so it never takes a slot this grid still needs."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit

@@ -11,7 +11,7 @@ is walked in BH-wide chunks so a program never holds more than CT x BH values. P
 """
 from __future__ import annotations
 
-from ._common import (at, launch_context, pdl_enter, rank_base, tl, to_bf16, triton,
+from ._common import (at, launch_context, rank_base, tl, to_bf16, triton,
                       wait_all_at_least, wait_at_least)
 
 
@@ -72,18 +72,16 @@ def combine_kernel(
     off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
     off_l2_ranks_done, T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    USE_TIMER: tl.constexpr, WAIT_RANKS: tl.constexpr = False, PDL: tl.constexpr = False,
-    HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
+    USE_TIMER: tl.constexpr, HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
-    """WAIT_RANKS: wait once for every rank's L2 (``l2_ranks_done`` reaching R, released by
-    the L2 kernel with RANK_SIGNAL) instead of per pick flags.
+    """Waits once for every rank's L2 (``l2_ranks_done`` reaching R, released by the last
+    program of each rank's L2), then sums each token's picks.
     STREAM: no wait at all: every rank's L2 ran before this launch in stream order on this
     GPU (``stages.stream_ordered``; the L2 then signals nothing).
     HOST_BASE (one local rank): the rank's buffer address is ``host_base`` (``rank_base``),
     not a load of the table ahead of the epoch, and again after the wait (sm_90 SASS:
     table, epoch, token count, wait, table, picks, slots in a row); both parities' token
     counts load with the epoch."""
-    pdl_enter(PDL)
     pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag,
                                                        host_base, HOST_BASE)
     here = rank_base(table, rank, host_base, HOST_BASE)
@@ -93,7 +91,7 @@ def combine_kernel(
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
     t = pid
     ok = pid >= 0
-    if WAIT_RANKS and not STREAM:
+    if not STREAM:
         if T > pid:
             ok = wait_at_least(at(here, off_l2_ranks_done, tl.int32), R, diag,
                                max_spins, timeout_ns, 5, rank, 0, epoch, -1, SCOPE="sys",
@@ -101,6 +99,5 @@ def combine_kernel(
     while (t < T) & ok:
         ok = combine_tokens(here, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
                             epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
-                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER,
-                            not WAIT_RANKS and not STREAM)
+                            K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER, False)
         t += nprog

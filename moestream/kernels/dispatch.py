@@ -19,7 +19,7 @@ where a row is e4m3 values followed by their fp32 scales).
 """
 from __future__ import annotations
 
-from ._common import (at, launch_context, pdl_enter, peer_ptr, peer_ptrs, rank_base, tl,
+from ._common import (at, launch_context, peer_ptr, peer_ptrs, rank_base, tl,
                       triton, wait_at_least)
 from .gemm_fp8 import quant_rows_128
 
@@ -53,10 +53,9 @@ def source_slots_kernel(
     topk_idx_TK,      # int32/int64 [T, K], read as N = T * K picks in flat order t * K + k
     slot_TK,          # int32 [T, K] out: the pick's slot among its expert's picks, -1: no pick
     counts_E,         # int32 [E] out: picks per expert
-    N, E, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    N, E, BLOCK: tl.constexpr,
 ):
     """routing.source_slots in one launch (grid E + 1: program e runs ``number_picks``)."""
-    pdl_enter(PDL)
     number_picks(topk_idx_TK, slot_TK, counts_E, N, tl.program_id(0), E, BLOCK)
 
 
@@ -74,15 +73,15 @@ def publish_kernel(
     off_topk_idx, off_topk_weights, off_slot, off_reset, reset_words,
     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BZ: tl.constexpr, BLOCK: tl.constexpr,
-    QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False, PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = False, FIX_ROUNDING: tl.constexpr = False,
     HOST_BASE: tl.constexpr = False, PEER_SCOPE: tl.constexpr = "sys",
 ):
     """One rank's inputs of the next call into its buffer, then the signal that publishes
     them. Grid E + 1 + COPY: program e <= E numbers expert e's picks into ``slot`` and
     ``send_counts`` (``number_picks``; first, so that these long loops start at once, whatever
     the GPU holds of the copy programs); program E + 1 + c zeroes its share of the per-call
-    counters and copies tokens [c*BT, c*BT + BT) (rows and picks). Each program then counts itself done
-    (acq_rel, gpu scope); the last one resets that count and signals: epoch += 1, ready = epoch
+    counters and copies tokens [c*BT, c*BT + BT) (rows and picks). Each program then counts
+    itself done (acq_rel, gpu scope); the last one resets that count and signals: epoch += 1, ready = epoch
     (release at PEER_SCOPE: "sys", or "gpu" where every rank's buffer is on this GPU,
     ``SymmBuffer.one_device``; cumulative over the other programs' stores, which it acquired).
 
@@ -92,7 +91,6 @@ def publish_kernel(
     HOST_BASE: the rank's buffer address is ``host_base`` (``rank_base``; the host knows it
     for every local rank, one launch each), so the epoch, and the stores whose addresses
     follow from it, do not wait for a load of the table first."""
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     here = rank_base(table, rank, host_base, HOST_BASE)
@@ -206,12 +204,12 @@ def layout_kernel(
     off_wave_mb, off_num_waves,
     R, E_LOC, BM, NB1, WAVE_BLOCKS,
     R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
-    USE_TIMER: tl.constexpr, WAVES: tl.constexpr = True, PDL: tl.constexpr = False,
+    USE_TIMER: tl.constexpr, WAVES: tl.constexpr = True,
     HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
     """Wait for every peer's inputs of this call (STREAM: not at all, every rank's publish
-    ran before this launch in stream order on this GPU, ``stages.stream_ordered``), then store this rank's pool layout and, for
-    every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
+    ran before this launch in stream order on this GPU, ``stages.stream_ordered``), then
+    store this rank's pool layout and, for every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
     WAVES (the fused launch reads them): also the expert waves, consecutive experts until a
     wave's L1 blocks (NB1 column blocks per m-block) reach WAVE_BLOCKS, as
     moestream.schedule.expert_waves.
@@ -224,7 +222,6 @@ def layout_kernel(
     so the epoch loads at once; every rank's address is loaded before the waits, not after
     each (sm_90 SASS: table, epoch, then per peer a table load and the wait, then the
     table again before the counts)."""
-    pdl_enter(PDL)
     rank = rank0 + tl.program_id(0)
     here = rank_base(table, rank, host_base, HOST_BASE)
     sv = tl.arange(0, R_PAD)
@@ -378,7 +375,7 @@ def dispatch_kernel(
     off_pool_x, off_pool_src, off_pool_weight,
     T_MAX, H, R, E_LOC, BM, P, PARTS,
     K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BH: tl.constexpr,
-    TT: tl.constexpr = 1, EAGER: tl.constexpr = False, PDL: tl.constexpr = False,
+    TT: tl.constexpr = 1, EAGER: tl.constexpr = False,
     SIGNAL: tl.constexpr = True, HOST_BASE: tl.constexpr = False,
 ):
     """Token-granular pull. Ticket i over (source rank, tile of TT source tokens, part of the
@@ -393,7 +390,6 @@ def dispatch_kernel(
     HOST_BASE (one local rank): the epoch, diag and source counts at ``host_base``
     (``rank_base``), not after a load of the table.
     """
-    pdl_enter(PDL)
     pid, nprog, _, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag,
                                                       host_base, HOST_BASE)
     par64 = (epoch & 1).to(tl.int64)

@@ -5,9 +5,8 @@ Programs take tickets from an atomic counter, in the dependency order of
 
     every dispatch task (local rank, source rank, DT source tokens from token j * DT)
     per local rank, per expert wave: its L1 blocks (m-block, n fastest; or in groups of
-        GROUP_M1 m-blocks, m fastest within a group), then its L2 blocks (L2_LAG 1, what
-        ``Tuning.fused_l2_lag`` passes by default: the previous wave's L2 blocks; the last
-        wave's after all L1 blocks; with split-K each block's S2 parts in a row)
+        GROUP_M1 m-blocks, m fastest within a group), then the previous wave's L2 blocks (the
+        last wave's after all L1 blocks; with split-K each block's S2 parts in a row)
     every combine task (local rank, CT tokens from token j * CT, column part p of CP)
 
 A ticket only waits on tickets handed out before it (dispatch -> L1 via arrival counts, L1 ->
@@ -138,9 +137,9 @@ def fused_kernel(
     BH: tl.constexpr, TT: tl.constexpr, EAGER: tl.constexpr, CT: tl.constexpr,
     BHC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     USE_TIMER: tl.constexpr,
-    DONE_SCOPE: tl.constexpr, ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
+    ONE_RANK: tl.constexpr, TRACE: tl.constexpr,
     FP8: tl.constexpr = False, GROUP_M1: tl.constexpr = 1, DM: tl.constexpr = 0,
-    L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1, L2_LAG: tl.constexpr = 0,
+    L2G: tl.constexpr = 1, EPI2: tl.constexpr = 1,
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, MIN_SPLIT: tl.constexpr = 4,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
@@ -152,8 +151,8 @@ def fused_kernel(
     flat (column block, K step) loop so that Triton's pipeliner loads the next block's first
     K steps during this block's epilogue; the m-block's completion is counted once per ticket
     (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces.
-    L2_LAG 1: a wave's L2 tickets follow the next wave's L1 tickets instead of its own
-    (``Tuning.fused_l2_lag``), so its L1 blocks are done when they are claimed.
+    A wave's L2 tickets follow the next wave's L1 tickets, so its L1 blocks are done when
+    they are claimed.
     HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
     (``stages.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
     instead of each program building them before its first ticket.
@@ -243,29 +242,19 @@ def fused_kernel(
             ev = tl.arange(0, E_PAD)
             n_waves = tl.load(peer_ptr(table, rank, off_num_waves, tl.int32))
             wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
-            if L2_LAG == 0:
-                # the expert wave of the block: waves start at m-block wave_mb[w], and wave
-                # w's tickets start at wave_mb[w] * (NB1 + T2)
-                ends = tl.load(wave_mb + 1 + ev, mask=ev < n_waves, other=2147483647)
-                # ends * (NB1 + T2) <= local, without the product (2**31 - 1 past the end)
-                w = tl.sum((ends <= local // (NB1 + T2)).to(tl.int32), axis=0)
-                w0 = tl.load(wave_mb + w)
-                l2_mb0 = w0  # the L2 blocks that follow are the same wave's
-                n_mb = tl.load(wave_mb + w + 1) - w0
-                in_wave = local - w0 * (NB1 + T2)
-            else:
-                # segment s: wave s's L1 blocks, then wave s - 1's L2 blocks (segment 0: no
-                # L2, segment n_waves: no L1); it starts at wave_mb[s] * NB1 + wave_mb[s - 1]
-                # * T2 (wave_mb[0] = 0)
-                sv = ev + 1
-                sm = ev < n_waves
-                starts = tl.where(sm, tl.load(wave_mb + sv, mask=sm, other=0) * NB1
-                                  + tl.load(wave_mb + ev, mask=sm, other=0) * T2, 2147483647)
-                w = tl.sum((starts <= local).to(tl.int32), axis=0)
-                w0 = tl.load(wave_mb + w)
-                l2_mb0 = tl.load(wave_mb + tl.maximum(w - 1, 0))
-                n_mb = tl.load(wave_mb + tl.minimum(w + 1, n_waves)) - w0
-                in_wave = local - w0 * NB1 - l2_mb0 * T2
+            # segment s: wave s's L1 blocks, then wave s - 1's L2 blocks (segment 0: no L2,
+            # segment n_waves: no L1); it starts at wave_mb[s] * NB1 + wave_mb[s - 1] * T2
+            # (wave_mb[0] = 0). A wave's L2 follows the next wave's L1, so its L1 blocks are
+            # done when its L2 tickets are claimed
+            sv = ev + 1
+            sm = ev < n_waves
+            starts = tl.where(sm, tl.load(wave_mb + sv, mask=sm, other=0) * NB1
+                              + tl.load(wave_mb + ev, mask=sm, other=0) * T2, 2147483647)
+            w = tl.sum((starts <= local).to(tl.int32), axis=0)
+            w0 = tl.load(wave_mb + w)
+            l2_mb0 = tl.load(wave_mb + tl.maximum(w - 1, 0))
+            n_mb = tl.load(wave_mb + tl.minimum(w + 1, n_waves)) - w0
+            in_wave = local - w0 * NB1 - l2_mb0 * T2
             block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
             if ONE_RANK:
                 w13, w13_s, w2, w2_s = w13_0, w13s_0, w2_0, w2s_0
@@ -329,21 +318,21 @@ def fused_kernel(
                                       split_sums + (lr * nprog).to(tl.int64) * (BN2 * DM),
                                       split_counts + lr * nprog, off_combine_y,
                                       off_combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
-                                      UPCAST, USE_TMA, DONE_SCOPE, EPI2, True)
+                                      UPCAST, USE_TMA, EPI2, True)
                     elif L2G == 1:
                         l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
                                         pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
                                         off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
-                                        UPCAST, USE_TMA, DONE_SCOPE, True, EPI2, FP8, 0, 1, DM)
+                                        UPCAST, USE_TMA, True, EPI2, FP8, 0, 1, DM)
                     else:
                         for j in tl.range(0, L2G, flatten=True):
                             l2_either_block(mb, nb * L2G + j, NB2, meta, table, rank, l2_done,
                                             pool_act, pool_src, w2, w2_s, a2, wd2, off_pool_act,
                                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R,
-                                            K, BM, BN2, BK2, UPCAST, USE_TMA, DONE_SCOPE, False,
+                                            K, BM, BN2, BK2, UPCAST, USE_TMA, False,
                                             EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
-                                          off_combine_flag, T_MAX, K, BM, DONE_SCOPE)
+                                          off_combine_flag, T_MAX, K, BM)
                 if SPLIT_K > 1 and S2 > 1:   # a split part claims when done (see above)
                     nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 phase = ticket * 0 + PHASE_L2

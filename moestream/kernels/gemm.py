@@ -33,7 +33,7 @@ so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import (DECODE_STORE_EVICT, aligned_ptr_from, at, launch_context, pdl_enter,
+from ._common import (DECODE_STORE_EVICT, aligned_ptr_from, at, launch_context,
                       peer_ptr, peer_ptrs, rank_base, tl, to_bf16, triton, wait_at_least,
                       zero_acc)
 from .gemm_fp4 import l1_fp4w_rows, l2_fp4w_rows
@@ -594,7 +594,7 @@ def l1_fp8_split_part(tile, part, S, mb, nb, meta, table, rank, l1_done, off_poo
 def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                       off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R,
                       K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                      FIX_ROUNDING: tl.constexpr,
                       SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1,
                       a_desc=0, w_desc=0, USE_TMA: tl.constexpr = False, sub=0,
                       SPLIT_M: tl.constexpr = 1, DM: tl.constexpr = 0, W4: tl.constexpr = 0,
@@ -616,7 +616,7 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
             acc = l2_fp4w_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4,
                                BM, BN, BK, W4)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                         SIGNAL_ROWS, EPI_SPLIT, r0 // W4, BM // W4)
     elif DM > 0 and TAIL:   # as l2_decode_block's TAIL
         tl.static_assert(not SIGNAL_ROWS, "tail pieces need the caller to signal")
@@ -627,13 +627,13 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
             acc_f = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM,
                                BN, BK, a_desc[1], w_desc, USE_TMA, sub, SPLIT_M)
             l2_epilogue(acc_f, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                         False, EPI_SPLIT, sub, SPLIT_M)
         elif pv > 0:
             acc_t = l2_fp8_rows(mb, sub * BMP, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
                                 AB // 4, BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA, True)
             l2_epilogue(acc_t, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                         False, EPI_SPLIT, sub * BMP // DM, BM // DM)
     elif DM > 0:   # pieces as l2_decode_block (SIGNAL_ROWS: signalled after the last)
         WIDE: tl.constexpr = 32 if BM >= 32 else BM   # DECODE_WIDE
@@ -642,23 +642,23 @@ def l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool
             acc = l2_fp8_rows(mb, 0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4,
                               BM, BN, BK, DM, a_desc[0], w_desc, USE_TMA, True)
             l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                         False, EPI_SPLIT, 0, BM // DM, EVICT_LAST=True)
         else:
             for r0 in range(0, vm, WIDE):
                 acc_w = l2_fp8_rows(mb, r0, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB,
                                     AB // 4, BM, BN, BK, WIDE, a_desc[1], w_desc, USE_TMA, True)
                 l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                            off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                            off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                             False, EPI_SPLIT, r0 // WIDE, BM // WIDE, EVICT_LAST=True)
         if SIGNAL_ROWS:
             signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K,
-                              BM, DONE_SCOPE)
+                              BM)
     else:
         acc = l2_fp8_acc(mb, nb, meta >> 9, act_q, act_s, w2, w2_s, H, I, AB, AB // 4, BM, BN,
                          BK, a_desc, w_desc, USE_TMA, sub, SPLIT_M)
         l2_epilogue(acc, mb, nb, NB, meta & 511, table, l2_done, pool_src, off_combine_y,
-                    off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING, DONE_SCOPE,
+                    off_combine_flag, H, T_MAX, R, K, BM, BN, FIX_ROUNDING,
                     SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
@@ -700,7 +700,7 @@ def l1_kernel(
                                # int32 [local ranks, programs], counts zero between calls
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-    FP8: tl.constexpr = False, PDL: tl.constexpr = False, DM: tl.constexpr = 0,
+    FP8: tl.constexpr = False, DM: tl.constexpr = 0,
     W4: tl.constexpr = 0, TAIL: tl.constexpr = False, SIGNAL: tl.constexpr = True,
     GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False, HOST_BASE: tl.constexpr = False,
@@ -739,7 +739,6 @@ def l1_kernel(
                      "split-K: bf16 or fp8 decode pieces")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
-    pdl_enter(PDL)
     (pid, nprog, lr, rank, epoch, diag, here, w13, w13_s, block_start,
      block_meta) = gemm_context(table, rank0, off_epoch, off_diag, host_base, w13_table,
                                 w13s_table, off_block_start, off_block_meta, FP8, W4,
@@ -822,7 +821,7 @@ def l1_kernel(
 def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
              off_combine_y, off_combine_flag, H, I, T_MAX, R,
              K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
              SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
              SPLIT_M: tl.constexpr = 1):
     """One L2 block: rows of (m_block, n_block) into their tokens' combine slots; the block
@@ -835,14 +834,14 @@ def l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w
     acc = l2_rows(mb, sub * BMT, nb, e, pool_act, w2, a_desc, w_desc, H, I, BM, BN, BK, BMT,
                   UPCAST, USE_TMA, False)
     l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
-                H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
+                H, T_MAX, R, K, BM, BN, UPCAST, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
 def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                     off_combine_y, off_combine_flag, H, I, T_MAX, R, K: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DM: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     EPI_SPLIT: tl.constexpr, TAIL: tl.constexpr = False, sub=0,
                     SPLIT_M: tl.constexpr = 1, SIGNAL_ROWS: tl.constexpr = False):
     """``l2_block`` for decode (pieces as ``l1_decode_block``): [BN, rows] = w2 tile @ rows^T,
@@ -861,13 +860,13 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
             acc_f = l2_rows(mb, sub * BMP, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I,
                             BM, BN, BK, BMP, UPCAST, USE_TMA, False)
             l2_epilogue(acc_f, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, False,
                         EPI_SPLIT, sub, SPLIT_M)
         elif pv > 0:
             acc_t = l2_rows(mb, sub * BMP, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I,
                             BM, BN, BK, DM, UPCAST, USE_TMA, True)
             l2_epilogue(acc_t, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, False,
                         EPI_SPLIT, sub * BMP // DM, BM // DM)
     elif vm <= DM:
         # the rows' slots are loaded before the K loop, whose time hides the load
@@ -875,7 +874,7 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
         acc = l2_rows(mb, 0, nb, meta >> 9, pool_act, w2, a_desc[0], w_desc, H, I, BM, BN, BK,
                       DM, UPCAST, USE_TMA, True)
         l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                    off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                    off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, False,
                     EPI_SPLIT, 0, BM // DM, True, code, EVICT_LAST=True)
     else:
         for r0 in range(0, vm, WIDE):
@@ -883,11 +882,10 @@ def l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_
             acc_w = l2_rows(mb, r0, nb, meta >> 9, pool_act, w2, a_desc[1], w_desc, H, I, BM, BN,
                             BK, WIDE, UPCAST, USE_TMA, True)
             l2_epilogue(acc_w, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, False,
                         EPI_SPLIT, r0 // WIDE, BM // WIDE, EVICT_LAST=True)
     if SIGNAL_ROWS:
-        signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K, BM,
-                          DONE_SCOPE)
+        signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX, K, BM)
 
 
 @triton.jit
@@ -895,7 +893,7 @@ def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, poo
                   a_desc, w_desc, sums, counts, off_combine_y, off_combine_flag, H, I, T_MAX, R,
                   K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   DM: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                  DONE_SCOPE: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                  EPI_SPLIT: tl.constexpr,
                   SIGNAL_ROWS: tl.constexpr = False):
     """Part ``part`` of S of a decode L2 block's K loop (split-K, ``Tuning.l2_split_k``), as
     ``l1_split_part``: its fp32 sums [DM, BN] go to ``sums`` slot tile * S + part, and the
@@ -914,16 +912,16 @@ def l2_split_part(tile, part, S, mb, nb, NB, meta, table, l2_done, pool_act, poo
             total = split_total(sums + (tile * S).to(tl.int64) * (BN * DM), cell, S, BN * DM,
                                 DM, BN)
             l2_epilogue(total, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y,
-                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, DONE_SCOPE, False,
+                        off_combine_flag, H, T_MAX, R, K, BM, BN, UPCAST, False,
                         EPI_SPLIT, 0, BM // DM, EVICT_LAST=True)
             tl.atomic_xchg(counts + tile, 0, sem="relaxed", scope="gpu")
             if SIGNAL_ROWS:
                 signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag,
-                                  T_MAX, K, BM, DONE_SCOPE)
+                                  T_MAX, K, BM)
     elif part == 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
-                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, False, 0, 1, SIGNAL_ROWS)
+                        DM, UPCAST, USE_TMA, EPI_SPLIT, False, 0, 1, SIGNAL_ROWS)
 
 
 @triton.jit
@@ -996,7 +994,7 @@ def slot_codes(pool_src, mb, vm, sub, BM: tl.constexpr, BMT: tl.constexpr):
 @triton.jit
 def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, off_combine_flag,
                 H, T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                FIX_ROUNDING: tl.constexpr, DONE_SCOPE: tl.constexpr,
+                FIX_ROUNDING: tl.constexpr,
                 SIGNAL_ROWS: tl.constexpr = True, EPI_SPLIT: tl.constexpr = 1, sub=0,
                 SPLIT_M: tl.constexpr = 1, PRE: tl.constexpr = False, pre_code=0,
                 EVICT_LAST: tl.constexpr = False):
@@ -1040,20 +1038,18 @@ def l2_epilogue(acc, mb, nb, NB, vm, table, l2_done, pool_src, off_combine_y, of
         store_slot_rows(acc, tk, src, rv, nb * BN, table, off_combine_y, H, R, FIX_ROUNDING,
                         EVICT_LAST)
     if SIGNAL_ROWS:
-        release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag, DONE_SCOPE)
+        release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag)
 
 
 @triton.jit
-def release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag,
-                 DONE_SCOPE: tl.constexpr):
+def release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag):
     """Counts one finished column block of m-block ``mb`` in ``l2_done``; the block that
     completes it (NB column blocks) releases the combine flags of its rows (``rv``: valid;
     ``src`` / ``tk``: each row's source rank and token * K + k there)."""
     tl.debug_barrier()  # every thread's rows are stored before the count is released
-    # DONE_SCOPE "gpu" suffices in the memory model (the blocks synchronise on this GPU,
-    # the last one releases to the peers at system scope, and release is cumulative);
-    # "sys" is the conservative form.
-    done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope=DONE_SCOPE)
+    # gpu scope suffices: the blocks synchronise on this GPU, the last one releases to the
+    # peers at system scope, and release is cumulative
+    done = tl.atomic_add(l2_done + mb, 1, sem="acq_rel", scope="gpu")
     if done == NB - 1:
         # last column block of this m-block: every block's rows are visible (acquired
         # above), so one release per row tells the token's rank that its row is complete
@@ -1063,14 +1059,14 @@ def release_rows(mb, NB, src, tk, rv, table, l2_done, off_combine_flag,
 
 @triton.jit
 def signal_block_rows(mb, NB, vm, table, l2_done, pool_src, off_combine_flag, T_MAX,
-                      K: tl.constexpr, BM: tl.constexpr, DONE_SCOPE: tl.constexpr):
+                      K: tl.constexpr, BM: tl.constexpr):
     """``release_rows`` for a whole m-block of ``vm`` valid rows, after an L2 block that
     stored them in pieces (decode pieces in the fused launch, which signals per row)."""
     rows = mb.to(tl.int64) * BM + tl.arange(0, BM)
     rv = tl.arange(0, BM) < vm
     code = tl.load(pool_src + rows, mask=rv, other=0)
     release_rows(mb, NB, code // (T_MAX * K), code % (T_MAX * K), rv, table, l2_done,
-                 off_combine_flag, DONE_SCOPE)
+                 off_combine_flag)
 
 
 @triton.jit
@@ -1078,7 +1074,7 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
                     a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag, H, I, AB,
                     T_MAX, R, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    DONE_SCOPE: tl.constexpr, SIGNAL_ROWS: tl.constexpr,
+                    SIGNAL_ROWS: tl.constexpr,
                     EPI_SPLIT: tl.constexpr, FP8: tl.constexpr, sub, SPLIT_M: tl.constexpr,
                     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False):
     """One L2 block of the staged kernel in either format (``l2_fp8_pool_block`` over byte
@@ -1087,17 +1083,17 @@ def l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, 
     if FP8:
         l2_fp8_pool_block(mb, nb, NB, meta, table, rank, l2_done, pool_src, off_pool_act,
                           off_combine_y, off_combine_flag, w2, w2_s, H, I, AB, T_MAX, R, K, BM,
-                          BN, BK, UPCAST, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
+                          BN, BK, UPCAST, SIGNAL_ROWS, EPI_SPLIT, a_desc, w_desc,
                           USE_TMA, sub, SPLIT_M, DM, W4, TAIL)
     elif DM > 0:
         l2_decode_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc,
                         w_desc, off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK,
-                        DM, UPCAST, USE_TMA, DONE_SCOPE, EPI_SPLIT, TAIL, sub, SPLIT_M,
+                        DM, UPCAST, USE_TMA, EPI_SPLIT, TAIL, sub, SPLIT_M,
                         SIGNAL_ROWS)
     else:
         l2_block(mb, nb, NB, meta, table, l2_done, pool_act, pool_src, w2, a_desc, w_desc,
                  off_combine_y, off_combine_flag, H, I, T_MAX, R, K, BM, BN, BK, UPCAST,
-                 USE_TMA, DONE_SCOPE, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
+                 USE_TMA, SIGNAL_ROWS, EPI_SPLIT, sub, SPLIT_M)
 
 
 @triton.jit
@@ -1118,10 +1114,9 @@ def l2_kernel(
     split_sums, split_counts,  # SPLIT_K > 1: fp32 [local ranks, programs, DM, BN] and
                                # int32 [local ranks, programs], counts zero between calls
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr, DONE_SCOPE: tl.constexpr,
-    USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
-    RANK_SIGNAL: tl.constexpr = False, FLAT: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_M: tl.constexpr = 1,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WAIT: tl.constexpr,
+    USE_TIMER: tl.constexpr, FP8: tl.constexpr = False, FLAT: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, SPLIT_M: tl.constexpr = 1,
     DM: tl.constexpr = 0, W4: tl.constexpr = 0, TAIL: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False,
     HOST_BASE: tl.constexpr = False, PEER_SCOPE: tl.constexpr = "sys",
@@ -1129,24 +1124,22 @@ def l2_kernel(
 ):
     """FP8, W4, HOST_DESC, CLAIM (not with FLAT), HOST_BASE: as ``l1_kernel``; the output
     tile is rounded to bf16 for the combine slots.
-    GROUP_M: tickets walk GROUP_M m-blocks at a time (``grouped_tile``).
+    Tickets walk the tiles n fastest.
     SPLIT_M: tiles of BM / SPLIT_M rows (row pieces of an m-block walked like m-blocks of
-    their own), so smaller programs fit more per SM (needs RANK_SIGNAL).
-    RANK_SIGNAL: instead of counting every tile per m-block and releasing each row's combine
-    flag (one acq_rel atomic, i.e. a wait for the tile's stores, per tile), each program counts
-    itself once when it is done, and the last program of the rank releases ``l2_ranks_done``
-    on every rank (at PEER_SCOPE: "sys", or "gpu" where every rank's buffer is on this GPU,
-    ``SymmBuffer.one_device``; their addresses loaded at the start, not after the count);
-    the staged combine waits for R there.
-    STREAM (with RANK_SIGNAL): every rank's combine runs after this launch in stream order on
-    this GPU (``stages.stream_ordered``), so nothing is counted or released at all.
-    DM > 0: decode pieces of DM rows (``l2_decode_block``; needs RANK_SIGNAL and SPLIT_M 1);
+    their own), so smaller programs fit more per SM.
+    The rank signal: each program counts itself once when it is done (not every tile per
+    m-block: that would be one acq_rel atomic, i.e. a wait for the tile's stores, per tile),
+    and the last program of the rank releases ``l2_ranks_done`` on every rank (at PEER_SCOPE:
+    "sys", or "gpu" where every rank's buffer is on this GPU, ``SymmBuffer.one_device``; their
+    addresses loaded at the start, not after the count); the staged combine waits for R there.
+    STREAM: every rank's combine runs after this launch in stream order on this GPU
+    (``stages.stream_ordered``), so nothing is counted or released at all.
+    DM > 0: decode pieces of DM rows (``l2_decode_block``; SPLIT_M 1);
     with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual.
     SPLIT_K > 1 (bf16 decode pieces, no tail pieces): as ``l1_kernel``'s, S >= 4 programs
     share each tile's K loop when the call's tiles are at most a quarter of the programs
     (``l2_split_part``)."""
-    tl.static_assert(DM == 0 or (RANK_SIGNAL and (SPLIT_M == 1 or TAIL)),
-                     "decode pieces: rank signal")
+    tl.static_assert(DM == 0 or SPLIT_M == 1 or TAIL, "decode pieces: whole m-blocks")
     tl.static_assert(DM > 0 or not TAIL, "tail pieces of DM rows")
     tl.static_assert(W4 == 0 or (FP8 and DM == 0 and not USE_TMA), "fp4w: fp8 rows, pointers")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are TMA descriptors")
@@ -1154,7 +1147,6 @@ def l2_kernel(
                      "split-K: bf16 decode pieces")
     tl.static_assert(not (CLAIM and FLAT), "claimed tickets: the plain loop")
     tl.static_assert(PEER_SCOPE == "sys" or PEER_SCOPE == "gpu", "peer scope: sys or gpu")
-    pdl_enter(PDL)
     (pid, nprog, lr, rank, epoch, diag, here, w2, w2_s, block_start,
      block_meta) = gemm_context(table, rank0, off_epoch, off_diag, host_base, w2_table,
                                 w2s_table, off_block_start, off_block_meta, FP8, W4,
@@ -1164,7 +1156,7 @@ def l2_kernel(
     pool_act = at(here, off_pool_act, tl.bfloat16)
     pool_src = at(here, off_pool_src, tl.int32)
     peers = tl.arange(0, R_PAD)
-    if RANK_SIGNAL and not STREAM:   # every rank's l2_ranks_done, for the last release
+    if not STREAM:   # every rank's l2_ranks_done, for the last release
         ranks_done = peer_ptrs(table, peers, off_l2_ranks_done, peers < R, tl.int32)
     # the block count and the first block's meta before the descriptors (as in l1_kernel)
     NB = H // BN
@@ -1172,7 +1164,7 @@ def l2_kernel(
     total = num_m * NB
     ticket = pid
     ok = pid >= 0
-    pm, nb = l1_tile_of(ticket, num_m, NB, GROUP_M)
+    pm, nb = l1_tile_of(ticket, num_m, NB, 1)
     meta = tl.load(block_meta + pm // SPLIT_M, mask=(pm // SPLIT_M < P // BM) & (not FLAT),
                    other=0)   # within the region, not waiting for num_m
     a_desc = 0
@@ -1197,7 +1189,7 @@ def l2_kernel(
     if SPLIT_K > 1:
         S = split_count(total, nprog, SPLIT_K)
         if S > 1:   # one part per program: total * S <= nprog
-            tile, mb, nb_s, meta_s = split_tile(pid, S, total, num_m, NB, block_meta, GROUP_M)
+            tile, mb, nb_s, meta_s = split_tile(pid, S, total, num_m, NB, block_meta, 1)
             if tile < total:
                 if WAIT:
                     ok = wait_at_least(l1_done + mb, NB1, diag, max_spins, timeout_ns, 3,
@@ -1210,18 +1202,18 @@ def l2_kernel(
                                   split_sums + (lr * nprog).to(tl.int64) * (BN * DM),
                                   split_counts + lr * nprog, off_combine_y, off_combine_flag,
                                   H, I, T_MAX, R, K, BM, BN, BK, DM, UPCAST, USE_TMA,
-                                  DONE_SCOPE, EPI_SPLIT)
+                                  EPI_SPLIT)
             ticket = total   # the loop below has nothing left
     if FLAT:
         # no waits: one flat loop over (tile, k step), which Triton's pipeliner can prefetch
         # across tiles (the next tile's first loads overlap this tile's epilogue)
         for t in tl.range(pid, total, nprog, flatten=True):
-            pm, nb = grouped_tile(t, num_m, NB, GROUP_M)
+            pm, nb = grouped_tile(t, num_m, NB, 1)
             mb = pm // SPLIT_M
             l2_either_block(mb, nb, NB, tl.load(block_meta + mb), table, rank, l2_done,
                             pool_act, pool_src, w2, w2_s, a_desc, w_desc, off_pool_act,
                             off_combine_y, off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN, BK,
-                            UPCAST, USE_TMA, DONE_SCOPE, not RANK_SIGNAL, EPI_SPLIT, FP8,
+                            UPCAST, USE_TMA, False, EPI_SPLIT, FP8,
                             pm % SPLIT_M, SPLIT_M, DM, W4, TAIL)
         ticket = total   # the loop below has nothing left
     claims = claims_ptr(table, here, off_claims, CLAIM)
@@ -1229,7 +1221,7 @@ def l2_kernel(
     nxt = first_next(pid, nprog, CLAIM)
     while (ticket < total) & ok:
         nxt, after = next_tickets(claims, ticket, nxt, nprog, on, CLAIM)
-        pm_next, nb_next = grouped_tile(nxt, num_m, NB, GROUP_M)
+        pm_next, nb_next = grouped_tile(nxt, num_m, NB, 1)
         meta_next = tl.load(block_meta + pm_next // SPLIT_M, mask=nxt < total, other=0)
         mb = pm // SPLIT_M
         if WAIT:
@@ -1239,19 +1231,19 @@ def l2_kernel(
         if ok:
             l2_either_block(mb, nb, NB, meta, table, rank, l2_done, pool_act, pool_src, w2,
                             w2_s, a_desc, w_desc, off_pool_act, off_combine_y, off_combine_flag,
-                            H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA, DONE_SCOPE,
-                            not RANK_SIGNAL, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4,
+                            H, I, AB, T_MAX, R, K, BM, BN, BK, UPCAST, USE_TMA,
+                            False, EPI_SPLIT, FP8, pm % SPLIT_M, SPLIT_M, DM, W4,
                             TAIL)
         pm = pm_next
         nb = nb_next
         meta = meta_next
         ticket, nxt = advance(ticket, nxt, after, nprog, CLAIM)
     finish_claims(claims, nprog, on, CLAIM)
-    if RANK_SIGNAL and not STREAM:
+    if not STREAM:
         if ok:   # a program that gave up does not count: the peers' combine then stalls too
             tl.debug_barrier()  # this program's rows are stored before it counts itself
             # gpu scope between the programs of this GPU, then one cumulative system-scope
-            # release per rank by the last one (the reasoning of DONE_SCOPE in l2_epilogue)
+            # release per rank by the last one (as in release_rows)
             done = tl.atomic_add(at(here, off_l2_programs, tl.int32), 1,
                                  sem="acq_rel", scope="gpu")
             if done == nprog - 1:

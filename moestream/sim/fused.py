@@ -114,8 +114,8 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     blocks, and splits small calls' combine tasks into column parts; decode calls run in one
     expert wave with one-token dispatch tiles, and large calls dispatch in tiles of 8 tokens
     (``stages.fused_default``); bf16 L2 tickets hold several column blocks
-    (``stages.fused_l2_group_for``), and a wave's L2 tickets follow the next wave's L1
-    (``Tuning.fused_l2_lag``). This model does none of that (its order is ``l2_lag`` 0)."""
+    (``stages.fused_l2_group_for``), and a wave's L2 tickets follow the next wave's L1.
+    This model does none of that (its order is ``schedule.build_schedule``'s ``l2_lag`` 0)."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
