@@ -1,7 +1,7 @@
 """Sweep launch tunings of the fused kernel on the GPUs of this machine (EP = all of them).
 
-Each variant is a set of ``moestream.stages.Tuning`` overrides applied on top of the fused
-launch's default for the call (``stages.fused_default``), written as ``NAME:field=value,...``
+Each variant is a set of ``moestream.tuning.Tuning`` overrides (dotted names) applied on top of
+the fused launch's default for the call (``tuning.select``), written as ``NAME:field=value,...``
 (the ``--tuning`` syntax of ``moestream bench``). Two names are built in: ``default`` (no
 overrides) and ``staged`` (the staged path with its own default, for reference in the same
 process). Every point is checked against the first variant's output (bf16 tolerance) before
@@ -10,21 +10,19 @@ inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: ma
 cost one start-up.
 
     python benchmarks/fused_sweep.py --shapes qwen3,dsv3 --tokens 1,128 \
-        --variants default staged wave264:wave_blocks=264 --out fused_sweep.jsonl
+        --variants default staged wave264:fused.wave_blocks=264 --out fused_sweep.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
-
 import torch
 
 BUILT_IN = ("default", "staged")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``"wave264:wave_blocks=264"`` -> ``("wave264", {"wave_blocks": 264})``; the built-in
+    """``"wave264:fused.wave_blocks=264"`` -> ``("wave264", {"fused.wave_blocks": 264})``; the built-in
     names take no overrides. ValueError for a malformed variant or an unknown field."""
     from moestream.bench_ep import parse_tuning
     name, colon, spec = text.partition(":")
@@ -43,7 +41,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
     import torch.distributed as dist
 
-    from moestream import MoEConfig, SymmBuffer, mega_moe, stages
+    from moestream import MoEConfig, SymmBuffer, mega_moe
+    from moestream.launch import tuning_for
     from moestream.bench import slowest, time_cuda
     from moestream.bench_ep import _capture, _weights_and_inputs
     from moestream.testing import TOLERANCE, rel_error
@@ -58,8 +57,8 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
             ref = None
             for name, over in variants:
                 impl = "staged" if name == "staged" else "fused"
-                tuning = None if name == "staged" else replace(stages.fused_default(buf, T),
-                                                               **over)
+                tuning = (None if name == "staged" else
+                          tuning_for(buf, T, impl="fused").with_dotted(over))
                 graphs = _capture(sets, lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf,
                                                            impl=impl, tuning=tuning))
                 # poisoned first: a variant that leaves rows unwritten cannot pass as the

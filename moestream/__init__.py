@@ -1,6 +1,6 @@
 """moestream: token-streaming expert-parallel MoE for Hopper GPUs, in Python and Triton."""
 from .config import SHAPES, MoEConfig
-from .layout import BufferLayout, bytes_per_rank, make_layout
+from .regions import BufferLayout, bytes_per_rank, make_layout
 from .reference import moe_forward, moe_forward_ranks, route
 from .buffer import KernelStallError, SymmBuffer
 from .layer import MegaMoE, mega_moe, mega_moe_virtual

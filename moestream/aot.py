@@ -28,7 +28,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["compile_layer", "compile_quant_gemms", "main"]
@@ -218,21 +217,21 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
     """Run the staged and the fused path (token and chunked mode) of a small call of
     ``shape`` with launches replaced by compile-only calls, then both paths in fp8 (kernels
     labelled " fp8"); one dict per distinct compiled kernel. ``variants``: name ->
-    ``stages.Tuning`` fields, each also compiled (fused path)."""
+    ``Tuning`` fields (dotted names), each also compiled (fused path)."""
     import torch
 
-    from . import stages
     from .buffer import SymmBuffer
     from .config import MoEConfig
+    from .fused import run_fused
+    from .staged import run_staged
     from .testing import make_routing, make_tokens
+    from .tuning import ONE_DOT_L1_STAGES, for_fused, gpu_defaults, in_decode_pieces
 
     compiled: dict[str, tuple] = {}
     label = [""]
     with _compile_only(capability, compiled, label):
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=16)
-        dims = dict(hidden=cfg.hidden, intermediate=cfg.intermediate)
-        tuning = stages.Tuning.hopper(cfg.block_m, **dims)
-        tuning = stages.Tuning(**{**tuning.__dict__, "use_tma": True})   # as on H200
+        tuning = gpu_defaults(cfg).with_(use_tma=True)   # as on H200
         gen = torch.Generator().manual_seed(0)
         for ranks in (1, 2):   # one local rank (the real form's fused path), two (virtual)
             buf = SymmBuffer(cfg, num_ranks=ranks, device="cpu")
@@ -241,51 +240,51 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
             rts = [make_routing(8, cfg.num_experts, cfg.top_k, generator=gen) for _ in range(ranks)]
             y = torch.empty(ranks, 8, cfg.hidden, dtype=torch.bfloat16)
             args = (buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
-            stages.run_staged(*args, tuning=tuning)
-            stages.run_fused(*args, tuning=tuning)
+            run_staged(*args, tuning=tuning)
+            run_fused(*args, tuning=tuning)
             trace = torch.empty(8, 8, dtype=torch.int64)
-            stages.run_fused(*args, tuning=tuning, trace=trace)
+            run_fused(*args, tuning=tuning, trace=trace)
             label[0] = " gpu-default"   # the fused launch's GPU defaults (132 SMs)
-            stages.run_fused(*args, tuning=tuning.for_fused(buf, sms=132))
+            run_fused(*args, tuning=for_fused(tuning, cfg, sms=132))
             label[0] = " chunked"
-            stages.run_fused(*args, tuning=tuning, granularity=2 * cfg.block_m)
+            run_fused(*args, tuning=tuning, granularity=2 * cfg.block_m)
             for name, fields in (variants or {}).items():
                 label[0] = f" {name}"
-                stages.run_fused(*args, tuning=stages.Tuning(**{**tuning.__dict__, **fields}))
+                run_fused(*args, tuning=tuning.with_dotted(fields))
             if ranks == 1:
                 label[0] = " tail"   # tail pieces in both GEMMs (Tuning.for_call's mid sizes)
-                stages.run_staged(*args, tuning=replace(tuning, l1_tail_rows=32,
-                                                        l2_tail_rows=32))
+                run_staged(*args, tuning=tuning.with_(l1=dict(tail_rows=32),
+                                                      l2=dict(tail_rows=32)))
                 label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
-                stages.run_staged(*args, tuning=replace(tuning, l1_group_m=8))
+                run_staged(*args, tuning=tuning.with_(l1=dict(group_m=8)))
                 label[0] = " l2 128"   # hidden not a multiple of 256: the 128x128 L2 tile
-                narrow = stages.Tuning.hopper(cfg.block_m, hidden=128, intermediate=128)
-                stages.run_staged(*args, tuning=replace(narrow, use_tma=True))
+                narrow = gpu_defaults(cfg.with_(hidden=128, intermediate=128))
+                run_staged(*args, tuning=narrow.with_(use_tma=True))
                 label[0] = " one dot"   # the L1's gate and up as one MMA (large calls)
-                stages.run_staged(*args, tuning=replace(tuning, l1_one_dot=True))
+                run_staged(*args, tuning=tuning.with_(l1=dict(one_dot=True)))
                 label[0] = " one dot s3"   # ... in 3 stages, as for_call picks from hidden 4096
-                stages.run_staged(*args, tuning=replace(
-                    tuning, l1_one_dot=True, l1_one_dot_stages=stages.ONE_DOT_L1_STAGES))
+                run_staged(*args, tuning=tuning.with_(l1=dict(
+                    one_dot=True, one_dot_stages=ONE_DOT_L1_STAGES)))
                 # the staged GEMMs as a CUDA graph capture launches them: the descriptors
                 # built on the host (Tuning.host_descriptors), whole tiles and decode pieces
                 label[0] = " host"
-                stages.run_staged(*args, tuning=replace(tuning, host_descriptors=True))
+                run_staged(*args, tuning=tuning.with_(host_descriptors=True))
                 label[0] = " decode host"
-                stages.run_staged(*args, tuning=replace(tuning.decode(16, cfg),
-                                                        host_descriptors=True))
+                run_staged(*args, tuning=in_decode_pieces(tuning, 16, cfg).with_(
+                    host_descriptors=True))
                 label[0] = " claim"   # whole tiles with claimed tickets (decode: default)
-                stages.run_staged(*args, tuning=replace(tuning, gemm_claim=True,
-                                                        host_descriptors=True))
+                run_staged(*args, tuning=tuning.with_(gemm_claim=True,
+                                                      host_descriptors=True))
                 label[0] = " fused host"
-                stages.run_fused(*args, tuning=replace(tuning.for_fused(buf, sms=132),
-                                                       host_descriptors=True))
+                run_fused(*args, tuning=for_fused(tuning, cfg, sms=132).with_(
+                    host_descriptors=True))
                 label[0] = " fused decode host"
-                stages.run_fused(*args, tuning=replace(
-                    tuning.decode(16, cfg).for_fused(buf, sms=132), host_descriptors=True))
+                run_fused(*args, tuning=for_fused(in_decode_pieces(tuning, 16, cfg), cfg,
+                                                  sms=132).with_(host_descriptors=True))
             label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
-            stages.run_staged(*args, tuning=tuning.decode(16, cfg))
-            label[0] = " fused decode"   # ... and stages.fused_default for the fused launch
-            stages.run_fused(*args, tuning=tuning.decode(16, cfg).for_fused(buf, sms=132))
+            run_staged(*args, tuning=in_decode_pieces(tuning, 16, cfg))
+            label[0] = " fused decode"   # ... and the fused launch's
+            run_fused(*args, tuning=for_fused(in_decode_pieces(tuning, 16, cfg), cfg, sms=132))
             label[0] = ""
         # the fp8 layer (staged path): publish with quantization, byte-row dispatch, fp8 GEMMs
         label[0] = " fp8"
@@ -294,38 +293,38 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         w13s, w2s = _tiny_weights(cfg8, 1)
         y = torch.empty(1, 8, cfg.hidden, dtype=torch.bfloat16)
         args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
-        tuning8 = replace(stages.Tuning.hopper(cfg.block_m, "fp8", **dims), use_tma=True)   # H200
-        stages.run_staged(*args, tuning=tuning8)
-        stages.run_fused(*args, tuning=tuning8.for_fused(buf, sms=132))
+        tuning8 = gpu_defaults(cfg8).with_(use_tma=True)   # as on H200
+        run_staged(*args, tuning=tuning8)
+        run_fused(*args, tuning=for_fused(tuning8, cfg8, sms=132))
         label[0] = " fp8 short k"   # intermediate < FP8_L2_TILE_MIN_I (qwen3): L2 in pieces
-        short = stages.Tuning.hopper(cfg.block_m, "fp8", hidden=cfg.hidden, intermediate=128)
-        stages.run_staged(*args, tuning=replace(short, use_tma=True))
+        short = gpu_defaults(cfg8.with_(intermediate=128))
+        run_staged(*args, tuning=short.with_(use_tma=True))
+        dec8 = in_decode_pieces(tuning8, 16, cfg8)
         label[0] = " fp8 decode"
-        stages.run_staged(*args, tuning=tuning8.decode(16, cfg8))
-        label[0] = " fp8 decode split"   # the L1's split-K parts (Tuning.l1_split_k)
-        stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4))
-        label[0] = " fp8 decode split ptr"   # ... by pointer loads (Tuning.use_tma=False; a
-        # form the interpreter accepts can still fail in the GPU compiler)
-        stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), l1_split_k=4,
-                                                use_tma=False))
+        run_staged(*args, tuning=dec8)
+        label[0] = " fp8 decode split"   # the L1's split-K parts (L1.split_k)
+        run_staged(*args, tuning=dec8.with_(l1=dict(split_k=4)))
+        label[0] = " fp8 decode split ptr"   # ... by pointer loads (a form the interpreter
+        # accepts can still fail in the GPU compiler)
+        run_staged(*args, tuning=dec8.with_(l1=dict(split_k=4), use_tma=False))
         label[0] = " fp8 fused decode"
-        stages.run_fused(*args, tuning=tuning8.decode(16, cfg8).for_fused(buf, sms=132))
+        run_fused(*args, tuning=for_fused(dec8, cfg8, sms=132))
         label[0] = " fp8 tail"
-        stages.run_staged(*args, tuning=replace(tuning8, l1_tail_rows=32, l2_tail_rows=32))
+        run_staged(*args, tuning=tuning8.with_(l1=dict(tail_rows=32), l2=dict(tail_rows=32)))
         label[0] = " fp8 decode host"
-        stages.run_staged(*args, tuning=replace(tuning8.decode(16, cfg8), host_descriptors=True))
+        run_staged(*args, tuning=dec8.with_(host_descriptors=True))
         label[0] = " fp8 grouped"
-        stages.run_staged(*args, tuning=replace(tuning8, l1_group_m=8))
+        run_staged(*args, tuning=tuning8.with_(l1=dict(group_m=8)))
         # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces
         cfg4 = cfg.with_(dtype="fp4w")
         buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")
         w13s, w2s = _tiny_weights(cfg4, 1)
         args = (buf, xs[:1], [rts[0][0]], [rts[0][1]], w13s, w2s, y)
-        tuning4 = stages.Tuning.hopper(cfg.block_m, "fp4w", **dims)
+        tuning4 = gpu_defaults(cfg4)
         label[0] = " fp4w"
-        stages.run_staged(*args, tuning=tuning4)
+        run_staged(*args, tuning=tuning4)
         label[0] = " fp4w decode"
-        stages.run_staged(*args, tuning=tuning4.decode(16, cfg4))
+        run_staged(*args, tuning=in_decode_pieces(tuning4, 16, cfg4))
         label[0] = ""
     return _facts(compiled)
 

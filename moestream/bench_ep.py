@@ -27,8 +27,8 @@ Providers, measured in the same run on the same inputs:
                   (docs/quantization.md: ~0.2 on random data; FP4W_AGREE). Staged only; the
                   -stages and -tuned-graph forms exist for it as for fp8.
     staged-tuned-graph, fp8-staged-tuned-graph
-                  staged-graph / fp8-staged-graph with ``stages.Tuning`` fields overridden
-                  (``tuning=``, CLI ``--tuning gemm_claim=true,l1_block_n=128``) on top of each
+                  staged-graph / fp8-staged-graph with ``Tuning`` fields overridden
+                  (``tuning=``, CLI ``--tuning gemm_claim=true,l1.block_n=128``) on top of each
                   call's defaults, so one run compares a launch option with the default on the
                   same inputs; rows carry the overrides under ``tuning``.
     staged-stages, fp8-staged-stages
@@ -44,7 +44,7 @@ Providers, measured in the same run on the same inputs:
                   that split with the ``tuning`` overrides of the -tuned-graph providers.
     fused-tuned-graph, fp8-fused-tuned-graph
                   fused-graph / fp8-fused-graph with the ``tuning`` overrides on top of the
-                  fused launch's defaults (``stages.fused_default``).
+                  fused launch's defaults (``tuning.select``).
 
 Every rank times every call (CUDA events, warm-up first, median of >= 20 calls, inputs rotated
 over several sets); the slowest rank's figures are reported. Before timing, each point checks
@@ -61,7 +61,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -123,13 +122,11 @@ def check_providers(providers: Sequence[str], tuning: dict | None = None) -> Non
 
 
 def parse_tuning(text: str) -> dict:
-    """``"gemm_claim=true,l1_block_n=128"`` -> ``{"gemm_claim": True, "l1_block_n": 128}``: fields of
-    ``stages.Tuning`` with values true/false, none, integers or words; checked by building a
-    Tuning with them (its ValueErrors name what is allowed)."""
-    from dataclasses import fields
-
-    from .stages import Tuning
-    names = {f.name for f in fields(Tuning)}
+    """``"gemm_claim=true,l1.block_n=128"`` -> ``{"gemm_claim": True, "l1.block_n": 128}``:
+    ``Tuning`` fields (``Tuning.dotted_names``) with values true/false, none, integers or
+    words; checked by building a Tuning with them (its ValueErrors name what is allowed)."""
+    from .tuning import Tuning
+    names = set(Tuning.dotted_names())
     out: dict = {}
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -151,7 +148,7 @@ def parse_tuning(text: str) -> dict:
             except ValueError:
                 value = raw
         out[name] = value
-    Tuning(**out)
+    Tuning().with_dotted(out)
     return out
 
 
@@ -179,16 +176,16 @@ def _stagewise(provider: str) -> bool:
 def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
                 warmup: int) -> dict[str, Any]:
     """GPU time of each launch of the staged path on this rank (collective: every rank calls
-    it together). ``call(on_stage)`` runs one layer call through ``stages.run_staged`` with
+    it together). ``call(on_stage)`` runs one layer call through ``staged.run_staged`` with
     that ``on_stage``. Each rep: the ranks meet at a barrier, then each holds its stream in the
     same sleep (``bench.QUEUE_AHEAD_CYCLES``) while the host queues the call with a CUDA event
     after every stage, so the events measure GPU time, not launch gaps; a stage's time
     includes its waits for the peers (layout waits for their inputs).
 
     Returns median_us / p20_us / p80_us of the whole call and ``stages_us``: the median of
-    each stage (``stages.STAGES`` order)."""
+    each stage (``staged.STAGES`` order)."""
     from .bench import QUEUE_AHEAD_CYCLES
-    from .stages import STAGES
+    from .staged import STAGES
 
     for _ in range(warmup):
         call(lambda name: None)
@@ -246,7 +243,7 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     so the timed call starts the way replayed calls do, right behind the previous one on
     every rank, and its stages carry no launch gaps. Each rep: the ranks meet at a barrier,
     replay the graph and read the events. Collective like ``stage_times``; same result keys."""
-    from .stages import STAGES
+    from .staged import STAGES
 
     def event():
         return torch.cuda.Event(enable_timing=True, external=True)
@@ -274,29 +271,30 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
 def _staged_call(buf, a, weights, mark, overrides: dict | None = None) -> torch.Tensor:
     """One staged layer call on this rank's real buffer, inputs ``a`` = (x, topk_idx,
     topk_weights) as ``_inputs`` makes them (valid and contiguous), with ``mark`` as
-    ``run_staged``'s on_stage; ``overrides``: ``stages.Tuning`` fields on top of the call's
+    ``run_staged``'s on_stage; ``overrides``: ``Tuning`` fields on top of the call's
     defaults."""
-    from . import stages
+    from .launch import tuning_for
+    from .staged import run_staged
     x = a[0]
     y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     tuning = None
     if overrides:
-        tuning = replace(stages.Tuning.for_call(buf, x.shape[0]), **overrides)
-    stages.run_staged(buf, [x], [a[1]], [a[2]], [weights[0]], [weights[1]], y, on_stage=mark,
-                      tuning=tuning)
+        tuning = tuning_for(buf, x.shape[0], impl="staged").with_dotted(overrides)
+    run_staged(buf, [x], [a[1]], [a[2]], [weights[0]], [weights[1]], y, on_stage=mark,
+               tuning=tuning)
     return y
 
 
 def plot_stages(rows: Sequence[dict], path) -> None:
     """Save a PNG: one panel per shape (each with its own µs axis, so decode and prefill
     points stay readable), one horizontal bar per (provider, tokens) row that has
-    ``stages_us``, split into its stages in ``stages.STAGES`` order."""
+    ``stages_us``, split into its stages in ``staged.STAGES`` order."""
     from .terminal import require
     require("matplotlib", extra="plot", why="the stage breakdown PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .stages import STAGES
+    from .staged import STAGES
 
     rows = [r for r in rows if r.get("stages_us")]
     if not rows:
@@ -345,7 +343,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     ``config``: ``MoEConfig`` fields that replace the shape's (block_m, num_experts)."""
     import torch.distributed as dist
 
-    from . import MoEConfig, SymmBuffer, mega_moe, stages
+    from . import MoEConfig, SymmBuffer, mega_moe
+    from .launch import tuning_for
     from .baselines.torch_a2a import moe_forward_a2a
     from .bench import result_row, slowest, time_cuda
     from .testing import TOLERANCE, quantize_weights, rel_error
@@ -385,10 +384,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     return call
 
                 def tuned(b, ws, impl="staged"):
-                    default = (stages.fused_default if impl == "fused"
-                               else stages.Tuning.for_call)
                     def call(a):
-                        t = replace(default(b, a[0].shape[0]), **tuning)
+                        t = tuning_for(b, a[0].shape[0], impl=impl).with_dotted(tuning)
                         return mega_moe(a[0], a[1], a[2], ws[0], ws[1], b, tuning=t, impl=impl)
                     return call
                 calls = {
@@ -409,7 +406,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 for p in providers:
                     if _granularity(p) is not None:
                         calls[p] = ours("fused", _granularity(p))
-                    if _stagewise(p):   # stages.run_staged with an on_stage hook
+                    if _stagewise(p):   # staged.run_staged with an on_stage hook
                         b, ws = qbuf[_dtype(p)] if _dtype(p) != "bf16" else (buf, (w13, w2))
                         over = tuning if _tuned(p) else None
                         calls[p] = (lambda a, mark=None, b=b, ws=ws, over=over: _staged_call(
@@ -593,7 +590,7 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
                  timeout_s: float = 3000, tuning: dict | None = None,
                  block_m: int | None = None, experts: int | None = None) -> list[dict]:
     """Spawn one process per GPU and run the benchmark; returns the rows (slowest rank).
-    ``tuning``: ``stages.Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
+    ``tuning``: ``Tuning`` overrides of the *-tuned-graph providers (``parse_tuning``).
     ``block_m``: our layer's m-block rows instead of the shape's default (rows carry
     ``block_m``; the torch providers do not use it). ``experts``: the routed experts of every
     shape instead of its own (e.g. 32 on one GPU: one EP8 rank's share of dsv3; rows carry

@@ -14,11 +14,13 @@ from typing import Iterable
 
 import torch
 
-from . import stages
+from . import staged
 from .bench import result_row, time_cuda
 from .buffer import SymmBuffer
 from .config import MoEConfig
+from .launch import tuning_for
 from .testing import make_tokens, quantize_weights
+from .tuning import Tuning
 
 __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token",
            "uniform_routing"]
@@ -26,22 +28,17 @@ __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A GEMM configuration: the pool's block_m plus the launch tuning (and the format).
-    ``tuning`` None: what the staged layer picks for each call (``tuning_for``)."""
+    """A GEMM form the bench times: the format, each call's tuning the staged layer's."""
 
     name: str
-    block_m: int
-    tuning: stages.Tuning | None
     dtype: str = "bf16"
+    block_m: int = 128
 
-    def tuning_for(self, buf: SymmBuffer, tokens: int) -> stages.Tuning:
-        """The tuning timed on ``buf`` for a call of ``tokens`` tokens per rank: the
-        variant's own, or (``tuning`` None) ``stages.Tuning.for_call``'s for that call with
-        the descriptors built on the host, as the layer's CUDA graphs run it (decode pieces
-        at 16 rows per expert, the L1's gate and up as one MMA from 256)."""
-        if self.tuning is not None:
-            return self.tuning
-        return replace(stages.Tuning.for_call(buf, tokens), host_descriptors=True)
+    def tuning_for(self, buf: SymmBuffer, tokens: int) -> Tuning:
+        """The tuning timed on ``buf`` for a call of ``tokens`` tokens per rank: the staged
+        layer's (``tuning.select``) with the descriptors built on the host, as the layer's
+        CUDA graphs run it."""
+        return tuning_for(buf, tokens, impl="staged").with_(host_descriptors=True)
 
 
 def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
@@ -50,10 +47,10 @@ def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
     return out
 
 
-# What the staged layer runs for the call (Tuning.for_call), in each format the bench times
+# What the staged layer runs for the call, in each format the bench times
 VARIANTS: dict[str, GemmVariant] = _by_name([
-    GemmVariant("layer-call", 128, None),
-    GemmVariant("fp8-layer-call", 128, None, "fp8"),
+    GemmVariant("layer-call"),
+    GemmVariant("fp8-layer-call", "fp8"),
 ])
 
 
@@ -93,9 +90,9 @@ def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
     idxs = [uniform_routing(T, cfg.num_experts, cfg.top_k, device=device) for _ in range(R)]
     ws = [torch.rand(T, cfg.top_k, generator=gen).to(device) for _ in range(R)]
     for lr in range(R):
-        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=tuning)
-    stages.layout(buf)
-    stages.dispatch(buf, tuning=tuning)
+        staged.publish(buf, lr, xs[lr], idxs[lr], ws[lr], tuning=tuning)
+    staged.layout(buf)
+    staged.dispatch(buf, tuning=tuning)
     counts = buf.view("expert_count", 0)
     assert int(counts.min()) == int(counts.max()) == M, counts
     assert e_loc * M == T * cfg.top_k
@@ -226,10 +223,10 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             if v.dtype == "fp8":
                 if w8 is None:
                     w8 = quantize_weights(w13s, w2s)
-                l1 = time_cuda(lambda: stages.l1(buf, w8[0], tuning=tuning), warmup=warmup,
+                l1 = time_cuda(lambda: staged.l1(buf, w8[0], tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
                 err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
-                l2 = time_cuda(lambda: stages.l2(buf, w8[1], tuning=tuning), warmup=warmup,
+                l2 = time_cuda(lambda: staged.l2(buf, w8[1], tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
                 err2 = l2_error(buf, cfg, w8[1][0])
                 for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
@@ -247,13 +244,14 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
                 pool = buf.view("pool_x", d)
                 packed.append(torch.cat([pool[bs[e] * cfg.block_m: bs[e] * cfg.block_m + M]
                                          for e in range(experts_per_rank)]))
-            l1 = time_cuda(lambda: stages.l1(buf, w13s, tuning=tuning), warmup=warmup, reps=reps,
+            l1 = time_cuda(lambda: staged.l1(buf, w13s, tuning=tuning), warmup=warmup, reps=reps,
                            queue_ahead=True)
             err = _l1_error(buf, cfg, w13s[0], packed[0], M, experts_per_rank)
-            l2 = time_cuda(lambda: stages.l2(buf, w2s, tuning=tuning), warmup=warmup, reps=reps,
+            l2 = time_cuda(lambda: staged.l2(buf, w2s, tuning=tuning), warmup=warmup, reps=reps,
                            queue_ahead=True)
             err2 = l2_error(buf, cfg, w2s[0])
-            for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes), ("l2", l2, l2_flops, l2_bytes)):
+            for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes),
+                                           ("l2", l2, l2_flops, l2_bytes)):
                 rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
                                  l1_rel_error=err, l2_rel_error=err2))
             buf.destroy()   # before the next variant allocates its own

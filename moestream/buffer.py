@@ -9,7 +9,7 @@ offsets):
 - real ranks: ``SymmBuffer(config, group=pg)`` allocates one torch symmetric-memory buffer per
   rank (collective) and maps every peer's copy over NVLink.
 
-All regions are carved from ``moestream.layout``; every byte starts at zero. The buffer also
+All regions are carved from ``moestream.regions``; every byte starts at zero. The buffer also
 collects the kernels' diagnostics (a stalled wait, topk ids out of range) and turns them into
 exceptions: ``check()`` synchronises; ``poll()`` looks only at results that already arrived.
 """
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from .config import MoEConfig
-from .layout import DIAG_FIELDS, make_layout
+from .regions import DIAG_FIELDS, make_layout
 
 __all__ = ["SymmBuffer", "KernelStallError"]
 
@@ -272,7 +272,7 @@ class SymmBuffer:
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A work tensor of this process only (not symmetric, not in the layout), zeroed
         when first asked for and kept for the buffer's life: ``name`` with its shape and
-        dtype (e.g. the staged L1's split-K sums and counts, ``stages.l1``). The kernels
+        dtype (e.g. the staged L1's split-K sums and counts, ``staged.l1``). The kernels
         that use one leave it as they need to find it next call (counts back at zero)."""
         key = (name, tuple(int(d) for d in shape), dtype)
         t = self._scratch.get(key)

@@ -115,8 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         max_tokens_per_rank=args.tokens or 512)
     else:
         cfg = MoEConfig(hidden=256, intermediate=128, num_experts=4 * R, top_k=2,
-                        max_tokens_per_rank=args.tokens or 24, block_m=16, block_n=64,
-                        block_k=64)
+                        max_tokens_per_rank=args.tokens or 24, block_m=16)
     T = cfg.max_tokens_per_rank
     con.print(f"[bold]moestream run[/]: {'GPU' if gpus else 'CPU'}, {R} ranks, "
               f"H={cfg.hidden} I={cfg.intermediate} E={cfg.num_experts} K={cfg.top_k}, "
@@ -290,7 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print_table(rows, title="moestream bench", columns=cols, console=con)
     staged = [r for r in rows if r.get("stages_us")]
     if staged:
-        from .stages import STAGES
+        from .staged import STAGES
         print_table([{**r, **{f"{n} µs": r["stages_us"].get(n) for n in STAGES}} for r in staged],
                     title="staged call, GPU time per stage (slowest rank)",
                     columns=["shape", "tokens_per_rank", "provider", "median_us"]
@@ -473,8 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skew", type=float, default=None,
                    help="hot expert's share of picks, in (0, 1]")
     b.add_argument("--tuning", default="",
-                   help="stages.Tuning overrides of the *-tuned-graph providers, e.g. "
-                        "l1_block_n=128")
+                   help="Tuning overrides of the *-tuned-graph providers (dotted names), e.g. "
+                        "l1.block_n=128")
     b.add_argument("--block-m", type=positive_int, default=None,
                    help="our layer's m-block rows instead of the shape's")
     b.add_argument("--virtual-ranks", type=positive_int, default=None,
@@ -509,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default="trace.png", help="timeline PNG")
     tr.add_argument("--json", default=None, help="also save the rows and the summary")
     tr.add_argument("--tuning", default="",
-                    help="stages.Tuning overrides on top of the fused launch's defaults, e.g. "
-                         "wave_blocks=264")
+                    help="Tuning overrides on top of the fused launch's defaults (dotted "
+                         "names), e.g. fused.wave_blocks=264")
     tr.set_defaults(fn=cmd_trace)
 
     pr = sub.add_parser("probe", formatter_class=fmt,

@@ -42,7 +42,8 @@ def _positive_int(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Sizes of one routed-expert MoE layer and the kernels' block sizes.
+    """Sizes of one routed-expert MoE layer and its pool's block rows (the GEMM tiles are
+    launch settings: ``moestream.tuning``).
 
     Args:
         hidden: model width H (multiple of 128).
@@ -60,8 +61,6 @@ class MoEConfig:
         block_m: pool rows per GEMM block. Each expert's pool segment is padded to a multiple
             of it, and an L1 block starts once that many of its tokens (or the expert's ragged
             remainder) have arrived.
-        block_n: GEMM output columns per block (L1: columns of I, gate and up both; L2: of H).
-        block_k: GEMM reduction step.
     """
 
     hidden: int
@@ -71,12 +70,10 @@ class MoEConfig:
     max_tokens_per_rank: int
     dtype: str = "bf16"
     block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens_per_rank",
-                     "block_m", "block_n", "block_k"):
+                     "block_m"):
             _positive_int(name, getattr(self, name))
         for name in ("hidden", "intermediate"):
             if getattr(self, name) % 128:
@@ -89,10 +86,6 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.block_m not in _POW2_TILES:
             raise ValueError(f"MoEConfig.block_m must be one of {_POW2_TILES}, got {self.block_m}")
-        for name in ("block_n", "block_k"):
-            if getattr(self, name) not in _POW2_TILES[:-1]:
-                raise ValueError(f"MoEConfig.{name} must be one of {_POW2_TILES[:-1]}, "
-                                 f"got {getattr(self, name)}")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -146,16 +139,6 @@ class MoEConfig:
 
     def max_m_blocks(self, num_ranks: int) -> int:
         return self.pool_capacity(num_ranks) // self.block_m
-
-    @property
-    def l1_n_blocks(self) -> int:
-        """Column blocks of the L1 output (I columns; each block computes gate and up)."""
-        return self.intermediate // self.block_n
-
-    @property
-    def l2_n_blocks(self) -> int:
-        """Column blocks of the L2 output (H columns)."""
-        return self.hidden // self.block_n
 
     @property
     def fp8_tokens(self) -> bool:

@@ -1,7 +1,7 @@
 """Launchers of the standalone FP8 grouped GEMMs (moestream/kernels/gemm_fp8.py: formats,
 legend, numerics): one launch per GEMM over a pool of block_m-row blocks described by
-block_meta (expert * 512 + valid_m, moestream.layout's encoding). The layer runs the same block
-functions inside its own kernels (moestream.stages). Works on the CPU (Triton's interpreter) and
+block_meta (expert * 512 + valid_m, moestream.regions's encoding). The layer runs the same block
+functions inside its own kernels (moestream.staged). Works on the CPU (Triton's interpreter) and
 on GPUs.
 """
 from __future__ import annotations

@@ -11,10 +11,12 @@ from typing import Sequence
 
 import torch
 
-from . import stages
 from .buffer import SymmBuffer
 from .checks import (check_expert_weights, check_expert_weights_fp4w, check_expert_weights_fp8,
                      check_routing, check_tensor, check_topk_range)
+from .fused import run_fused
+from .staged import run_staged
+from .tuning import Tuning
 
 __all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
@@ -46,7 +48,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
                      topk_weights: Sequence[torch.Tensor], w13s: Sequence[torch.Tensor],
                      w2s: Sequence[torch.Tensor], buffer: SymmBuffer, *,
                      out: torch.Tensor | None = None, validate: bool = True,
-                     impl: str = "staged", tuning: stages.Tuning | None = None,
+                     impl: str = "staged", tuning: Tuning | None = None,
                      granularity: int | str = "token") -> list[torch.Tensor]:
     """The expert-parallel layer for R virtual ranks held by one process.
 
@@ -71,7 +73,8 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
         validate: check topk id ranges on the host before launching (a synchronisation).
         impl: "staged" (one launch per stage) or "fused" (dispatch, L1, L2 and combine in one
             persistent launch; see kernels/fused.py).
-        tuning: launch shapes (``stages.Tuning``; None = the defaults for this device).
+        tuning: launch settings (``moestream.tuning.Tuning``; None: ``tuning.select``'s for
+            this call and device).
         granularity: streaming mode of the fused launch: "token" (default), C (chunked: C
             tokens per dispatch task, L1 waits for C-row chunks; a multiple of block_m) or
             "expert" (L1 waits for the whole expert). "token" only with impl="staged".
@@ -85,7 +88,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
     if buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise ValueError("mega_moe_virtual reads the kernels' diagnostics on the host after "
                          "each call, which a CUDA graph capture does not allow; capture "
-                         "mega_moe (one rank per process) or stages.run_staged / run_fused")
+                         "mega_moe (one rank per process) or staged.run_staged / fused.run_fused")
     R = buffer.num_ranks
     for name, seq in (("xs", xs), ("topk_idxs", topk_idxs), ("topk_weights", topk_weights),
                       ("w13s", w13s), ("w2s", w2s)):
@@ -122,23 +125,23 @@ IMPLS = ("staged", "fused")
 
 def _runner(impl: str, granularity: int | str, config):
     """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
-    is a ValueError from ``stages.fused_tuning``, before anything is launched)."""
+    is a ValueError from ``fused.fused_tuning``, before anything is launched)."""
     if impl == "fused" and config.dtype == "fp4w":
         raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only: impl='staged'")
     if impl == "staged":
         if granularity != "token":
             raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
                              "streams tokens only)")
-        return stages.run_staged
+        return run_staged
     if impl == "fused":
-        return functools.partial(stages.run_fused, granularity=granularity)
+        return functools.partial(run_fused, granularity=granularity)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              w13: torch.Tensor, w2: torch.Tensor, buffer: SymmBuffer, *,
              out: torch.Tensor | None = None, validate: bool = False,
-             impl: str = "staged", tuning: stages.Tuning | None = None,
+             impl: str = "staged", tuning: Tuning | None = None,
              granularity: int | str = "token") -> torch.Tensor:
     """The expert-parallel MoE layer for the calling rank.
 
@@ -169,7 +172,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             ValueError by a later call (or ``buffer.check()``).
         impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
             dispatch, L1, L2 and combine; not in fp4w mode).
-        tuning: launch shapes (``stages.Tuning``; None = the defaults for this device).
+        tuning: launch settings (``moestream.tuning.Tuning``; None: ``tuning.select``'s for
+            this call and device).
         granularity: streaming mode of the fused launch: "token" (default), C (chunked,
             DeepEP-normal style: C tokens per dispatch task, L1 waits for C-row chunks of an
             expert; a multiple of block_m) or "expert" (L1 waits for the whole expert).

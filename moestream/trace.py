@@ -1,6 +1,6 @@
 """Timelines of the fused kernel: what every persistent program did, when, on which SM.
 
-The fused launch built with its trace flag (``stages.run_fused(..., trace=...)``; the flag is a
+The fused launch built with its trace flag (``fused.run_fused(..., trace=...)``; the flag is a
 compile-time constant, so the untraced kernel is unchanged) writes one row per ticket:
 
     phase (0 dispatch, 1 L1, 2 L2, 3 combine), rank, a, b, c, SM, start ns, end ns
@@ -27,7 +27,7 @@ PHASE, RANK, A, B, C, SM, START, END = range(8)
 
 
 def _trace_buffer(buffer, tuning, device) -> torch.Tensor:
-    from .stages import max_tickets
+    from .fused import max_tickets
     return torch.full((max_tickets(buffer, tuning), 8), -1, dtype=torch.int64, device=device)
 
 
@@ -43,7 +43,7 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
 
     Returns int64 [tickets, 8] trace rows (columns as the module docstring lists)."""
     from .buffer import SymmBuffer
-    from .stages import fused_tuning, run_fused
+    from .fused import fused_tuning, run_fused
     from .testing import make_routing, make_tokens, make_weights
     if len(tokens) != ranks:
         raise ValueError(f"tokens must list one count per rank ({ranks}), got {list(tokens)}")
@@ -72,13 +72,14 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
 def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, seed: int,
                   overrides: dict | None = None) -> np.ndarray:
     """One process per GPU: a traced fused call of the real EP layer (spawned), with
-    ``stages.Tuning`` ``overrides`` on top of the fused launch's defaults."""
-    from dataclasses import replace
+    ``Tuning`` ``overrides`` (dotted names, ``Tuning.with_dotted``) on top of the fused
+    launch's defaults."""
 
     import torch.distributed as dist
 
     from . import MoEConfig, SymmBuffer, mega_moe
-    from .stages import fused_default, fused_tuning, run_fused
+    from .fused import fused_tuning, run_fused
+    from .launch import tuning_for
     from .testing import make_routing, make_tokens
     dev = torch.device("cuda", rank)
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens, 1))
@@ -91,7 +92,8 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
     x = make_tokens(tokens, cfg.hidden, generator=g, device=dev)
     idx, w = make_routing(tokens, cfg.num_experts, cfg.top_k, generator=g, device=dev)
     buf = SymmBuffer(cfg, group=dist.group.WORLD)
-    base = replace(fused_default(buf, tokens), **overrides) if overrides else None
+    base = (tuning_for(buf, tokens, impl="fused").with_dotted(overrides) if overrides
+            else None)
     for _ in range(3):   # compile and warm up (untraced)
         mega_moe(x, idx, w, w13, w2, buf, impl="fused", granularity=granularity, tuning=base)
     torch.cuda.synchronize()
@@ -116,12 +118,12 @@ def run_trace(*, shape: str, tokens: int, world: int | None = None,
               granularity: int | str = "token", seed: int = 0,
               timeout_s: float = 600, tuning: dict | None = None) -> np.ndarray:
     """A traced fused call of ``shape`` with ``tokens`` tokens per rank on ``world`` GPUs of
-    this machine (default all; one process each). ``tuning``: ``stages.Tuning`` field
-    overrides on top of the fused launch's defaults (``stages.fused_default``; e.g.
-    ``{"wave_blocks": 264}``). Returns every rank's rows, stacked."""
+    this machine (default all; one process each). ``tuning``: ``Tuning`` field overrides
+    (dotted names) on top of the fused launch's defaults (``tuning.select``; e.g.
+    ``{"fused.wave_blocks": 264}``). Returns every rank's rows, stacked."""
     from .distributed import spawn
-    from .stages import Tuning
-    Tuning(**(tuning or {}))   # a bad field or value fails here, before any process starts
+    from .tuning import Tuning
+    Tuning().with_dotted(tuning or {})   # a bad field or value fails here, before any spawn
     if not torch.cuda.is_available():
         raise ValueError("moestream trace needs CUDA GPUs (the interpreter has no clock)")
     world = world or torch.cuda.device_count()

@@ -61,3 +61,20 @@ def gen(request) -> torch.Generator:
     """A CPU generator seeded from the session seed and the test's id."""
     seed = (SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**63
     return torch.Generator().manual_seed(seed)
+
+
+def hopper(block_m: int, dtype: str = "bf16", *, hidden: int, intermediate: int):
+    """``tuning.gpu_defaults`` for a config of these dims (the GPU defaults a test runs on the
+    interpreter)."""
+    from moestream import MoEConfig
+    from moestream.tuning import gpu_defaults
+    return gpu_defaults(MoEConfig(hidden=hidden, intermediate=intermediate, num_experts=8,
+                                  top_k=2, max_tokens_per_rank=8, block_m=block_m, dtype=dtype))
+
+
+def _h200():
+    from moestream.tuning import Device
+    return Device(sms=132, hopper=True)
+
+
+H200 = _h200()   # an H200's SM count and generation, for the tuning policy's tests

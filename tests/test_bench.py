@@ -280,7 +280,7 @@ def test_stage_providers_and_plot(tmp_path):
     # *-stages providers are timed stage by stage, never replayed; plot_stages draws one
     # stacked bar per row, stages in run_staged's order, and refuses rows without stages
     from moestream.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
-    from moestream.stages import STAGES
+    from moestream.staged import STAGES
     check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
                      "fp8-staged-graph-stages", "fp4w-staged-stages", "fp4w-staged-graph"])
     assert _dtype("fp4w-staged-graph-stages") == "fp4w" and _dtype("staged") == "bf16"
@@ -299,23 +299,23 @@ def test_stage_providers_and_plot(tmp_path):
 
 
 def test_tuned_providers_and_their_overrides():
-    # the *-tuned-graph providers run staged calls with stages.Tuning fields overridden;
+    # the *-tuned-graph providers run staged calls with Tuning fields overridden;
     # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
     from moestream.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
                                     parse_tuning)
-    assert parse_tuning("gemm_claim=true, l1_block_n=128,use_tma=None") == {
-        "gemm_claim": True, "l1_block_n": 128, "use_tma": None}
+    assert parse_tuning("gemm_claim=true, l1.block_n=128,use_tma=None") == {
+        "gemm_claim": True, "l1.block_n": 128, "use_tma": None}
     assert parse_tuning("") == {}
     check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"gemm_claim": True})
     assert _replayed("staged-tuned-graph") and _dtype("fp8-staged-tuned-graph") == "fp8"
     # their stage splits: timed stage by stage inside a graph, with the overrides
     check_providers(["staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"],
-                    {"l1_tail_rows": 32})
+                    {"l1.tail_rows": 32})
     for p in ("staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"):
         assert _tuned(p) and _stagewise(p) and not _replayed(p)
     assert not _tuned("staged-graph-stages")
     # the fused launch's: replayed from graphs, with the overrides on its own defaults
-    check_providers(["fused-tuned-graph", "fp8-fused-tuned-graph"], {"fused_per_sm": 1})
+    check_providers(["fused-tuned-graph", "fp8-fused-tuned-graph"], {"fused.per_sm": 1})
     assert _tuned("fused-tuned-graph") and _replayed("fp8-fused-tuned-graph")
     assert _dtype("fp8-fused-tuned-graph") == "fp8"
     with pytest.raises(ValueError, match="need Tuning overrides"):
@@ -324,10 +324,10 @@ def test_tuned_providers_and_their_overrides():
         check_providers(["fp8-staged-tuned-graph-stages"])
     with pytest.raises(ValueError, match="need Tuning overrides"):
         check_providers(["staged-graph", "staged-tuned-graph"])
-    for text, match in [("l1_blok_n=128", "unknown Tuning field 'l1_blok_n'"),
-                        ("l2_flat", "must be name=value"), ("l2_split_m=", "must be name=value"),
-                        ("l2_split_m=3", "l2_split_m must be 1 or 2"),
-                        ("l2_flat=yes", "l2_flat must be a bool")]:
+    for text, match in [("l1.blok_n=128", "unknown Tuning field 'l1.blok_n'"),
+                        ("l2.flat", "must be name=value"), ("l2.split_m=", "must be name=value"),
+                        ("l2.split_m=3", "L2.split_m must be one of"),
+                        ("l2.flat=yes", "L2.flat must be a bool")]:
         with pytest.raises(ValueError, match=match):
             parse_tuning(text)
 
@@ -357,7 +357,7 @@ def test_stage_times_on_one_gpu(timer):
     # the layer's
     from moestream import SymmBuffer, bench_ep
     from moestream.bench_ep import _staged_call
-    from moestream.stages import STAGES
+    from moestream.staged import STAGES
     from moestream.reference import moe_forward
     from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
     cfg = MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, max_tokens_per_rank=64)
@@ -378,7 +378,7 @@ def test_stage_times_on_one_gpu(timer):
     # with overrides (the -tuned-graph-stages providers): ~12 rows per expert, so with
     # decode pieces off most blocks are tail pieces of 16 rows (a few hold more rows)
     y = _staged_call(buf, (x, idx, w), (w13, w2), None,
-                     {"l1_tail_rows": 16, "l2_tail_rows": 16, "decode_rows": 0})
+                     {"l1.tail_rows": 16, "l2.tail_rows": 16, "decode_rows": 0})
     buf.check()
     assert rel_error(y, ref) <= TOLERANCE["bf16"]
 
@@ -441,7 +441,7 @@ def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
     # the timers' bookkeeping without a GPU: each stage's time runs from the previous mark
     # (the first from the call's start), in STAGES order, and the stages add up to the call
     from moestream import bench_ep
-    from moestream.stages import STAGES
+    from moestream.staged import STAGES
     clock = _FakeClock()
     monkeypatch.setattr(torch.cuda, "Event", clock.event)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", clock.graph_class())
@@ -490,13 +490,13 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
     # virtual ranks (random routing, ragged expert counts), each valid pool row's L2 output
     # is found in its source rank's combine slot and matches fp32 math on the L1 output; a
     # slot overwritten (a misplaced or missing row) is caught
-    from moestream import stages
+    from moestream import staged
     from moestream.bench_kernels import l2_error
     from moestream.buffer import SymmBuffer
     from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights,
                                    quantize_weights)
     cfg = MoEConfig(hidden=256, intermediate=128, num_experts=4, top_k=2,
-                    max_tokens_per_rank=12, block_m=16, block_n=64, block_k=64, dtype=dtype)
+                    max_tokens_per_rank=12, block_m=16, dtype=dtype)
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
     w13s, w2s = make_weights(cfg, 2, generator=gen)
     if dtype == "fp8":
@@ -504,7 +504,7 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
     xs = [make_tokens(T, cfg.hidden, generator=gen) for T in (11, 7)]
     rts = [make_routing(x.shape[0], cfg.num_experts, cfg.top_k, generator=gen) for x in xs]
     y = torch.empty(2, 11, cfg.hidden, dtype=torch.bfloat16)
-    stages.run_staged(buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
+    staged.run_staged(buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
     assert l2_error(buf, cfg, w2s[0]) < TOLERANCE[dtype]
     assert l2_error(buf, cfg, w2s[1], rank=1) < TOLERANCE[dtype]
     e = next(e for e, n in enumerate(buf.view("expert_count", 0).tolist()) if n)
@@ -518,26 +518,24 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
 
 
 def test_layer_call_variant_times_what_the_layer_picks(monkeypatch) -> None:
-    # "layer-call" times Tuning.for_call's pick for the bench's call with host descriptors
-    # (the layer's graphs): e.g. at 2048 rows per expert the one-MMA L1 (one_dot_for).
-    # for_call is stood in for (it needs a GPU's SM count to pick anything); the tokens
-    # passed are the call's
-    from moestream import stages
+    # "layer-call" times the staged layer's tuning for the bench's call (tuning.select for the
+    # call's tokens on the buffer's device) with the descriptors built on the host, as the
+    # layer's CUDA graphs run it; the policy's device is stood in for by an H200
+    from conftest import H200
+    from moestream import launch
     from moestream.bench_kernels import VARIANTS
     from moestream.buffer import SymmBuffer
-    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=64)
+    from moestream.tuning import select
+    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=4096)
     buf = SymmBuffer(cfg, num_ranks=1, device="cpu")
-    seen = []
-
-    def for_call(buffer, tokens, **kw):
-        seen.append((buffer, tokens))
-        return stages.Tuning(l1_one_dot=tokens >= 100)
-    monkeypatch.setattr(stages.Tuning, "for_call", staticmethod(for_call))
+    monkeypatch.setattr(launch, "device_of", lambda device: H200)
     try:
-        got = VARIANTS["layer-call"].tuning_for(buf, 128)
-        assert seen == [(buf, 128)]
-        assert got == stages.Tuning(l1_one_dot=True, host_descriptors=True)
-        assert not VARIANTS["layer-call"].tuning_for(buf, 8).l1_one_dot
+        for tokens in (8, 4096):   # decode pieces; whole tiles with the one-MMA L1
+            got = VARIANTS["layer-call"].tuning_for(buf, tokens)
+            want = select(cfg, tokens, ranks=1, device=H200, impl="staged")
+            assert got == want.with_(host_descriptors=True), tokens
+        assert VARIANTS["layer-call"].tuning_for(buf, 8).decode_rows == 16
+        assert VARIANTS["layer-call"].tuning_for(buf, 4096).l1.one_dot
     finally:
         buf.destroy()
 
@@ -583,13 +581,14 @@ def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
     spec = importlib.util.spec_from_file_location("fused_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse_variant("w2:wave_blocks=264,fused_per_sm=1") == (
-        "w2", {"wave_blocks": 264, "fused_per_sm": 1})
+    assert mod.parse_variant("w2:fused.wave_blocks=264,fused.per_sm=1") == (
+        "w2", {"fused.wave_blocks": 264, "fused.per_sm": 1})
     assert mod.parse_variant("staged") == ("staged", {})
     assert mod.parse_variant("default") == ("default", {})
     for bad, msg in [("w2", "NAME:field=value"), ("staged:l2_flat=true", "takes no overrides"),
-                     (":wave_blocks=2", "needs a name"), ("x:nope=1", "unknown Tuning field"),
-                     ("x:fused_per_sm=0", "fused_per_sm must be an int >= 1")]:
+                     (":fused.wave_blocks=2", "needs a name"),
+                     ("x:nope=1", "unknown Tuning field"),
+                     ("x:fused.per_sm=0", "Fused.per_sm must be an int >= 1")]:
         with pytest.raises(ValueError, match=msg):
             mod.parse_variant(bad)
 

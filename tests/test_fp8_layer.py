@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from moestream import MoEConfig
-from moestream import stages
+from moestream import staged
+from moestream.tuning import FP8_L2_TILE_MIN_I, L1, L2, Tuning
+from conftest import hopper
 from moestream.buffer import SymmBuffer
 from moestream.layer import mega_moe_virtual
 from moestream.quant import quantize_act_fp8
@@ -115,9 +117,9 @@ def test_publish_and_dispatch_move_the_quantized_bytes(device, gen, R, Ts, e_per
         xs[big][0, 1] = -0.0
         xs[big][1, 128:256] = 1e-36 * torch.linspace(-1, 1, 128, device=device).sign()
     for lr in range(R):
-        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.layout(buf)
-    stages.dispatch(buf)
+        staged.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
+    staged.layout(buf)
+    staged.dispatch(buf)
     buf.check()
 
     published = []
@@ -187,7 +189,7 @@ def test_fp8_consecutive_calls_with_changing_routing(device, gen):
     # token counts and routing change between calls; L1 blocks 256 wide (two scale groups)
     cfg = fp8_config(num_experts=6, intermediate=512)
     buf = SymmBuffer(cfg, num_ranks=2, device=device)
-    tuning = stages.Tuning(l1_block_n=256, l2_block_n=64)
+    tuning = Tuning(l1=L1(block_n=256), l2=L2(block_n=64))
     for Ts in ([24, 3], [0, 17], [9, 9]):
         poison(buf)
         xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=0.1)
@@ -210,9 +212,8 @@ def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=Non
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    stages.Tuning(l2_block_n=128, l2_epilogue_split=2),             # the GPU default's epilogue
-    stages.Tuning(l2_block_n=128, l2_epilogue_split=4, l2_flat=True,
-                  wait=False, programs=3),                          # quarters, flat loops
+    Tuning(l2=L2(block_n=128, epilogue_split=2)),             # the GPU default's epilogue
+    Tuning(l2=L2(block_n=128, epilogue_split=4, flat=True), wait=False, programs=3),                          # quarters, flat loops
 ], ids=["split2", "split4-flat"])
 def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
     # the L2 tile stored in column pieces (and the flat tile loops) writes the same slots
@@ -221,14 +222,13 @@ def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    stages.Tuning(use_tma=True, l2_block_n=128, l2_epilogue_split=2),   # the GPU default's loads
-    stages.Tuning(use_tma=True, l1_block_n=256, l2_block_n=64, wait=False, l2_flat=True,
-                  programs=3),                                          # 64-wide L2 tiles, flat
-    stages.Tuning(use_tma=False, l2_block_n=128),                       # pointer loads
+    Tuning(l2=L2(block_n=128, epilogue_split=2), use_tma=True),   # the GPU default's loads
+    Tuning(l1=L1(block_n=256), l2=L2(block_n=64, flat=True), use_tma=True, wait=False, programs=3),                                          # 64-wide L2 tiles, flat
+    Tuning(l2=L2(block_n=128), use_tma=False),                       # pointer loads
     # the fp8 L1 (pointer loads) with its tickets in groups of 2 m-blocks, waits on
-    stages.Tuning(use_tma=False, l2_block_n=128, l1_group_m=2),
+    Tuning(l2=L2(block_n=128), l1=L1(group_m=2), use_tma=False),
     # the GPU default from FP8_L2_TILE_MIN_I on (dsv3): the L2 as whole 128-row tiles, 8 warps
-    stages.Tuning.hopper(128, "fp8", hidden=256, intermediate=stages.FP8_L2_TILE_MIN_I),
+    hopper(128, "fp8", hidden=256, intermediate=FP8_L2_TILE_MIN_I),
 ], ids=["tma", "tma-l2n64-flat", "pointers", "pointers-l1-group2", "gpu-default-tile"])
 def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
     # the staged fp8 L2 reads pool_act's byte rows (values, then scales: AB bytes per row)
@@ -239,10 +239,8 @@ def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    stages.Tuning(l2_split_m=2, l2_warps=4, l2_stages=3, use_tma=True, l2_block_n=128,
-                  l2_epilogue_split=2),                       # the 64-row pieces by descriptor
-    stages.Tuning(l2_split_m=2, l2_warps=4, use_tma=False, wait=False, l2_flat=True,
-                  programs=3),                                # by pointers, flat loop
+    Tuning(l2=L2(split_m=2, warps=4, stages=3, block_n=128, epilogue_split=2), use_tma=True),                       # the 64-row pieces by descriptor
+    Tuning(l2=L2(split_m=2, warps=4, flat=True), use_tma=False, wait=False, programs=3),                                # by pointers, flat loop
 ], ids=["tma", "pointers-flat"])
 def test_fp8_l2_in_row_pieces(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows): two experts per rank get
@@ -255,14 +253,11 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
 @pytest.mark.parametrize("Ts, tuning", [
     # block_m 32: blocks of ~30 rows in one 32-row piece, rows by pointer, weights by
     # descriptor
-    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128,
-                             l2_epilogue_split=2)),
+    ([37, 23], Tuning(l2=L2(block_n=128, epilogue_split=2), decode_rows=16, use_tma=True)),
     # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
-    ([1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256, wait=False,
-                            programs=3)),
+    ([1, 30], Tuning(l1=L1(block_n=256), decode_rows=16, use_tma=False, wait=False, programs=3)),
     # claimed GEMM tickets (Tuning.decode's default on GPUs), 2 programs for the tiles
-    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128, gemm_claim=True,
-                             programs=2)),
+    ([37, 23], Tuning(l2=L2(block_n=128), decode_rows=16, use_tma=True, gemm_claim=True, programs=2)),
 ], ids=["tma", "pointers-l1n256", "claimed"])
 def test_fp8_decode_pieces(device, gen, Ts, tuning):
     # fp8 L1 (scales per K step, re-quantization of each piece's rows) and L2 with the
@@ -278,7 +273,7 @@ def test_fp8_decode_pieces_of_a_full_block(device, gen, impl):
     # (r0 = 32 for the second: its rows' scales and combine slots); T=3 on one rank. The
     # fused launch: each L2 block releases its rows after the second piece
     check_tuned_fp8_layer(fp8_config(num_experts=2, block_m=64, max_tokens_per_rank=64),
-                          [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=128),
+                          [61, 3], Tuning(l2=L2(block_n=128), decode_rows=16, use_tma=True),
                           gen, device, drop=0.05, impl=impl)
 
 
@@ -288,7 +283,7 @@ def test_fp8_fused_launch_in_decode_pieces(device, gen):
     # ~30 rows per expert on the other side (32-row pieces), pointer loads, 256-wide L1
     # blocks (two scale groups per piece)
     check_tuned_fp8_layer(fp8_config(num_experts=4, block_m=32, max_tokens_per_rank=40),
-                          [1, 30], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=256),
+                          [1, 30], Tuning(l1=L1(block_n=256), decode_rows=16, use_tma=False),
                           gen, device, drop=0.05, impl="fused")
 
 
@@ -297,11 +292,9 @@ def test_fp8_fused_launch_in_decode_pieces(device, gen):
     # the GPU default's L2 (64-row pieces by descriptor, here 16-row ones): expert 0's 5-row
     # tail is one piece and its empty second piece is skipped; expert 1's 20-row block
     # splits into a full piece and a 4-row tail piece at row 16
-    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=True, l2_split_m=2,
-                  l2_block_n=128, l2_epilogue_split=2),
+    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=128, epilogue_split=2), use_tma=True),
     # pointer loads everywhere, whole 32-row L2 blocks, 256-wide L1 blocks
-    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=False, l1_block_n=256,
-                  wait=False, programs=3),
+    Tuning(l1=L1(tail_rows=16, block_n=256), l2=L2(tail_rows=16), use_tma=False, wait=False, programs=3),
 ], ids=["tma-split", "pointers-l1n256"])
 def test_fp8_tail_pieces(device, gen, tuning):
     # fp8 L1 tail pieces re-quantize their rows like the usual tile; exact per-expert counts
@@ -341,8 +334,8 @@ def test_fp8_input_errors(gen):
     bad = [(q, s[:, :1]) for q, s in w2q]
     with pytest.raises(ValueError, match="w2 scale_inv must have shape"):
         mega_moe_virtual(xs, idxs, ws, w13q, bad, buf)                 # scale blocks missing
-    with pytest.raises(ValueError, match="l1_block_n 128 or 256"):
-        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=stages.Tuning(l1_block_n=64))
+    with pytest.raises(ValueError, match="L1.block_n 128 or 256"):
+        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, tuning=Tuning(l1=L1(block_n=64)))
     with pytest.raises(ValueError, match="dtype must be one of"):
         fp8_config(dtype="fp4")
 
@@ -397,7 +390,7 @@ def check_tuned_fp4w_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=No
 def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_rank, drop,
                                                      routing, label):
     # the default tuning: pieces of min(64, block_m) = 16 rows, one per m-block
-    check_tuned_fp4w_layer(fp8_config(num_experts=R * e_per_rank), Ts, stages.Tuning(), gen,
+    check_tuned_fp4w_layer(fp8_config(num_experts=R * e_per_rank), Ts, Tuning(), gen,
                            device, drop=drop, routing=routing, label=label)
 
 
@@ -405,15 +398,15 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
 @pytest.mark.parametrize("tuning", [
     # 16-row pieces of 64-row blocks (the decode form): a block's rows in up to four pieces,
     # the last one partly filled; the L2 pieces store into the combine slots by offset r0
-    stages.Tuning(fp4w_rows=16),
+    Tuning(fp4w_rows=16),
     # whole 64-row blocks, 256-wide L1 blocks (two scale groups)
-    stages.Tuning(fp4w_rows=64, l1_block_n=256, l2_block_n=64),
+    Tuning(l1=L1(block_n=256), l2=L2(block_n=64), fp4w_rows=64),
     # 32-row pieces, no waits, three programs walking the tiles
-    stages.Tuning(fp4w_rows=32, wait=False, programs=3),
+    Tuning(fp4w_rows=32, wait=False, programs=3),
     # L1 tickets in groups of 3 m-blocks (Tuning.for_call's choice at mixtral dims), waits on
-    stages.Tuning(fp4w_rows=32, l1_group_m=3),
+    Tuning(l1=L1(group_m=3), fp4w_rows=32),
     # claimed GEMM tickets (Tuning.for_call's default for fp4w), 2 programs
-    stages.Tuning(fp4w_rows=16, gemm_claim=True, programs=2),
+    Tuning(fp4w_rows=16, gemm_claim=True, programs=2),
 ], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3",
         "rows16-claimed"])
 def test_fp4w_layer_in_row_pieces(device, gen, tuning):
@@ -441,18 +434,18 @@ def test_fp4w_input_errors(gen):
     with pytest.raises(ValueError, match="staged path only"):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
     with pytest.raises(ValueError, match="fp4w_rows"):
-        stages.Tuning(fp4w_rows=48)
+        Tuning(fp4w_rows=48)
     # a tuning the config rejects is a ValueError before the first launch, so the buffer
     # serves the next call
     cfg32 = fp8_config(num_experts=4, dtype="fp4w", block_m=32)
     buf32 = SymmBuffer(cfg32, num_ranks=2, device="cpu")
     xs, idxs, ws, w13q, w2q = make_case(cfg32, [4, 4], gen, "cpu")
     epochs = [int(buf32.view("epoch", r)[0]) for r in range(2)]
-    with pytest.raises(ValueError, match="l1_block_n 128 or 256"):
+    with pytest.raises(ValueError, match="L1.block_n 128 or 256"):
         mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32,
-                         tuning=stages.Tuning(fp4w_rows=16, l1_block_n=64))
+                         tuning=Tuning(l1=L1(block_n=64), fp4w_rows=16))
     assert [int(buf32.view("epoch", r)[0]) for r in range(2)] == epochs   # nothing launched
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32, tuning=stages.Tuning(fp4w_rows=16))
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf32, tuning=Tuning(fp4w_rows=16))
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg32.hidden, quant="fp4w")
     with pytest.raises(ValueError, match="fmt must be 'fp8' or 'fp4w'"):
         quantize_weights(w13s, w2s, fmt="fp4")

@@ -14,7 +14,7 @@ kernels asserts which form each launch took, so that a case which silently fell 
 the table would not pass as a test of the host form, and the layer still matches the
 reference in both forms.
 
-Stream order: where every rank is on this GPU and waits are off (``stages.stream_ordered``),
+Stream order: where every rank is on this GPU and waits are off (``stream_ordered``),
 the layout waits for no ready flag and the L2 and the combine skip the rank signal; the
 same spy checks which launches took that form, and the L2's counters show that nothing was
 counted or released.
@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moestream import stages
+from moestream.launch import programs, stream_ordered
+from moestream.tuning import L1, L2, Tuning
 from moestream.buffer import SymmBuffer
 from moestream.layer import mega_moe_virtual
 from moestream.testing import make_weights
@@ -55,17 +56,17 @@ class _Spy:
             return launch(*args, **kw)
         return run
 
-    def __getattr__(self, name):   # warmup, fn, ... (stages._programs on GPUs)
+    def __getattr__(self, name):   # warmup, fn, ... (programs on GPUs)
         return getattr(self.kernel, name)
 
 
 @pytest.fixture
 def launches(monkeypatch) -> list:
     seen: list = []
-    for module, names in ((stages._gemm, ("l1_kernel", "l2_kernel")),
-                          (stages._dispatch, ("publish_kernel", "layout_kernel",
-                                              "dispatch_kernel")),
-                          (stages._combine, ("combine_kernel",))):
+    from moestream.kernels import combine, dispatch, gemm
+    for module, names in ((gemm, ("l1_kernel", "l2_kernel")),
+                          (dispatch, ("publish_kernel", "layout_kernel", "dispatch_kernel")),
+                          (combine, ("combine_kernel",))):
         for name in names:
             monkeypatch.setattr(module, name, _Spy(getattr(module, name), seen))
     return seen
@@ -102,15 +103,14 @@ def test_host_base_is_the_one_local_rank_s_buffer(device="cpu"):
 @pytest.mark.parametrize("R,Ts,tuning", [
     # one rank, decode pieces with split-K parts (T=1: few tiles): the split branch loads its
     # own meta, the unsplit one keeps the first
-    (1, [1], stages.Tuning(decode_rows=16, l1_split_k=4, l2_split_k=4, l2_block_n=64,
-                           wait=False)),
+    (1, [1], Tuning(l1=L1(split_k=4), l2=L2(split_k=4, block_n=64), decode_rows=16, wait=False)),
     # one rank, whole tiles, T not a multiple of block_m, waits on (counts and signals); the
     # L1 takes the table form there
-    (1, [23], stages.Tuning()),
+    (1, [23], Tuning()),
     # one rank, claimed tickets in decode pieces (the claim counter's pointer)
-    (1, [21], stages.Tuning(decode_rows=16, gemm_claim=True, programs=3)),
+    (1, [21], Tuning(decode_rows=16, gemm_claim=True, programs=3)),
     # two local ranks: the table form (each program's rank picks its own buffer)
-    (2, [5, 19], stages.Tuning(decode_rows=16, l2_block_n=64)),
+    (2, [5, 19], Tuning(l2=L2(block_n=64), decode_rows=16)),
 ])
 def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, R, Ts,
                                                          tuning):
@@ -138,20 +138,20 @@ def test_launches_take_the_host_base_with_one_local_rank(device, gen, launches, 
 @pytest.mark.parametrize("R,Ts,tuning,stream", [
     # one rank, decode pieces, waits off (the GPU defaults): the combine follows the L2 in
     # stream order, so the L2 counts and releases nothing and the combine waits for nothing
-    (1, [3], stages.Tuning(decode_rows=16, l2_block_n=64, wait=False), True),
+    (1, [3], Tuning(l2=L2(block_n=64), decode_rows=16, wait=False), True),
     # four virtual ranks, whole tiles, waits off, a rank with zero tokens: still one device
     # and one stream (every rank's L2 is one launch, every rank's combine the next)
-    (4, [7, 0, 12, 1], stages.Tuning(wait=False), True),
+    (4, [7, 0, 12, 1], Tuning(wait=False), True),
     # waits on (the interpreter's default): the rank signal and the combine's wait stay
-    (2, [5, 9], stages.Tuning(decode_rows=16, l2_block_n=64), False),
+    (2, [5, 9], Tuning(l2=L2(block_n=64), decode_rows=16), False),
 ])
 def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts, tuning,
                                                     stream):
     buf = _run_layer_checked(device, gen, R, Ts, tuning)
     # every case has its ranks on one device: the layout skips its waits whenever waits are
     # off, the L2 and the combine their signal with the rank signal too
-    assert stages.stream_ordered(buf, tuning) is (not tuning.wait)
-    assert stages.l2_stream(buf, tuning) is stream
+    assert stream_ordered(buf, tuning) is (not tuning.wait)
+    assert stream_ordered(buf, tuning) is stream
     kinds = {name: kw for name, _, kw in launches
              if name in ("layout_kernel", "l2_kernel", "combine_kernel")}
     assert kinds["layout_kernel"]["STREAM"] is (not tuning.wait)
@@ -165,5 +165,5 @@ def test_stream_ordered_launches_skip_their_signals(device, gen, launches, R, Ts
         assert (int(buf.view("l2_programs", r)[0]) > 0) is rank_signal, r
     # across GPUs another GPU's combine is not ordered by this stream: the signal stays
     other_gpus = SimpleNamespace(one_device=False)
-    assert not stages.stream_ordered(other_gpus, replace(tuning, wait=False))
-    assert not stages.l2_stream(other_gpus, replace(tuning, wait=False))
+    assert not stream_ordered(other_gpus, replace(tuning, wait=False))
+    assert not stream_ordered(other_gpus, replace(tuning, wait=False))

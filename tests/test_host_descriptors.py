@@ -4,7 +4,7 @@ descriptors each kernel would build in every program and passes them as kernel p
 (True: always; None, the default: while a CUDA graph is being captured).
 
 Each case runs one virtual rank (the only place the host form applies) against the reference,
-and a spy on ``stages.host_descriptors`` asserts that both GEMMs really took the host form
+and a spy on ``host_descriptors`` asserts that both GEMMs really took the host form
 (a case that silently fell back to in-kernel descriptors would pass the numerics and test
 nothing). The in-kernel form keeps its own cases (R >= 2 and eager calls everywhere else)
 and some here: host_descriptors=False, the default outside a capture, two local ranks.
@@ -17,7 +17,11 @@ import pytest
 
 import torch
 
-from moestream import stages
+from moestream import staged
+from moestream.fused import run_fused
+from moestream.launch import host_descriptors
+from moestream.tuning import FP8_L2_TILE_MIN_I, L1, L2, Tuning, for_fused
+from conftest import hopper
 from moestream.buffer import SymmBuffer
 from moestream.layer import mega_moe_virtual
 from moestream.testing import make_weights, routing_with_counts
@@ -29,10 +33,10 @@ from test_kernels_virtual import check_layer, check_tuned_layer, make_case, smal
 
 @pytest.fixture
 def host_kinds(monkeypatch):
-    """Records, per call of ``stages.host_descriptors``, (region, whether the host form was
+    """Records, per call of ``host_descriptors``, (region, whether the host form was
     taken, the descriptors' (shape, block_shape))."""
     seen = []
-    original = stages.host_descriptors
+    original = host_descriptors
 
     def spy(*args, **kw):
         descs, host_kw = original(*args, **kw)
@@ -40,11 +44,13 @@ def host_kinds(monkeypatch):
                      [None if d is None else (list(d.shape), list(d.block_shape))
                       for d in descs]))
         return descs, host_kw
-    monkeypatch.setattr(stages, "host_descriptors", spy)
+    from moestream import fused, staged
+    for module in (staged, fused):   # each launcher's own reference to it
+        monkeypatch.setattr(module, "host_descriptors", spy)
     return seen
 
 
-def host(tuning: stages.Tuning) -> stages.Tuning:
+def host(tuning: Tuning) -> Tuning:
     return replace(tuning, host_descriptors=True)
 
 
@@ -57,29 +63,27 @@ def one_rank_tail_routing(gen):
 
 BF16_CASES = [   # each with host_descriptors=True (test_host_descriptors_compute_...)
     # whole tiles, two MMAs per K step in L1; T not a multiple of block_m
-    (dict(), [37], stages.Tuning(use_tma=True), None, (1, 1)),
+    (dict(), [37], Tuning(use_tma=True), None, (1, 1)),
     # L1 as one gate-and-up MMA: a 3-D weight descriptor [E*2, I, H] in [2, BN, BK] tiles
-    (dict(), [37], stages.Tuning(use_tma=True, l1_one_dot=True, l1_block_n=64, wait=False),
+    (dict(), [37], Tuning(l1=L1(one_dot=True, block_n=64), use_tma=True, wait=False),
      None, (1, 1)),
     # L2 in 16-row pieces of the 32-row m-blocks (a 16-row A descriptor), flat loop
-    (dict(), [37], stages.Tuning(use_tma=True, l2_split_m=2, l2_block_n=64, wait=False,
-                                 l2_flat=True), None, (1, 1)),
+    (dict(), [37], Tuning(l2=L2(split_m=2, block_n=64, flat=True), use_tma=True, wait=False), None, (1, 1)),
     # decode pieces: 16-row and 32-row (DECODE_WIDE) A descriptors in both GEMMs; T=1
-    (dict(), [1], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64), None, (2, 2)),
+    (dict(), [1], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16), None, (2, 2)),
     # ... and blocks of ~30 rows (the wide piece)
-    (dict(), [37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64, wait=False),
+    (dict(), [37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16, wait=False),
      None, (2, 2)),
     # tail pieces: the second A descriptor is the whole tile (block_m rows in L1, block_m /
     # l2_split_m in L2)
     (dict(max_tokens_per_rank=72), [70],
-     stages.Tuning(use_tma=True, l1_tail_rows=16, l2_tail_rows=16, l2_block_n=64), "tail",
+     Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, block_n=64), use_tma=True), "tail",
      (2, 2)),
     (dict(max_tokens_per_rank=72), [70],
-     stages.Tuning(use_tma=True, l1_tail_rows=16, l2_tail_rows=16, l2_split_m=2,
-                   l2_block_n=64, wait=False), "tail", (2, 2)),
+     Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=64), use_tma=True, wait=False), "tail", (2, 2)),
     # the GPU default at these dims (Tuning.hopper: the 256-wide L2 tile, 8 warps, flat),
     # with the descriptor loads it takes on a Hopper GPU
-    (dict(), [37], replace(stages.Tuning.hopper(32, hidden=256, intermediate=128),
+    (dict(), [37], replace(hopper(32, hidden=256, intermediate=128),
                            use_tma=True), None, (1, 1)),
 ]
 
@@ -106,15 +110,14 @@ def test_host_descriptors_compute_the_same_layer(device, gen, host_kinds, cfg_ch
 
 FP8_CASES = [   # each with host_descriptors=True
     # decode pieces: e4m3 A rows read from the byte rows (values first, AB bytes per row)
-    ([1], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=128)),
-    ([30], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=128, wait=False)),
+    ([1], Tuning(l2=L2(block_n=128), use_tma=True, decode_rows=16)),
+    ([30], Tuning(l2=L2(block_n=128), use_tma=True, decode_rows=16, wait=False)),
     # the L2's 16-row pieces by descriptor (the fp8 L1 loads whole tiles by pointer: only
     # the L2 takes descriptors)
-    ([30], stages.Tuning(use_tma=True, l2_split_m=2, l2_warps=4, l2_block_n=128,
-                         l2_epilogue_split=2)),
+    ([30], Tuning(l2=L2(split_m=2, warps=4, block_n=128, epilogue_split=2), use_tma=True)),
     # the GPU default from FP8_L2_TILE_MIN_I on: whole 32-row L2 tiles
-    ([30], replace(stages.Tuning.hopper(32, "fp8", hidden=256,
-                                        intermediate=stages.FP8_L2_TILE_MIN_I), use_tma=True)),
+    ([30], replace(hopper(32, "fp8", hidden=256,
+                                        intermediate=FP8_L2_TILE_MIN_I), use_tma=True)),
 ]
 
 
@@ -132,11 +135,11 @@ def test_host_descriptors_in_the_fp8_layer(device, gen, host_kinds, Ts, tuning):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype, Ts, tuning", [
     # the fused launch's whole bf16 tiles (its fp8 tiles load by pointer)
-    ("bf16", [37], stages.Tuning(use_tma=True)),
+    ("bf16", [37], Tuning(use_tma=True)),
     # decode pieces, T=1 and blocks of ~30 rows: the DM-row and wide A descriptors
-    ("bf16", [1], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64)),
-    ("bf16", [37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64)),
-    ("fp8", [30], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=128)),
+    ("bf16", [1], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16)),
+    ("bf16", [37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16)),
+    ("fp8", [30], Tuning(l2=L2(block_n=128), use_tma=True, decode_rows=16)),
 ], ids=["tiles", "decode-T1", "decode-wide", "fp8-decode"])
 def test_host_descriptors_in_the_fused_launch(device, gen, host_kinds, dtype, Ts, tuning):
     # one fused launch takes both GEMMs' descriptors (ONE_RANK: built once per launch)
@@ -152,13 +155,11 @@ def test_host_descriptors_in_the_fused_launch(device, gen, host_kinds, dtype, Ts
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("Ts, tuning", [
-    ([37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64,
-                         host_descriptors=False)),      # asked off: in-kernel on one rank
+    ([37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16, host_descriptors=False)),      # asked off: in-kernel on one rank
     # the default (None) outside a CUDA graph capture: in-kernel
-    ([37], stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64)),
-    ([37, 23], host(stages.Tuning(use_tma=True, decode_rows=16,
-                                  l2_block_n=64))),     # asked for, but two local ranks
-    ([37], host(stages.Tuning(use_tma=False))),         # pointer loads: no descriptors
+    ([37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16)),
+    ([37, 23], host(Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16))),     # asked for, but two local ranks
+    ([37], host(Tuning(use_tma=False))),         # pointer loads: no descriptors
 ], ids=["off", "default-eager", "two-ranks", "pointers"])
 def test_in_kernel_descriptors_where_the_host_form_does_not_apply(device, gen, host_kinds, Ts,
                                                                    tuning):
@@ -168,11 +169,13 @@ def test_in_kernel_descriptors_where_the_host_form_does_not_apply(device, gen, h
 
 
 def test_host_descriptors_by_default_while_a_graph_is_captured(gen, host_kinds, monkeypatch):
-    # the default (None) follows stages._capturing: here made to say "capturing" on the CPU,
-    # so the host form is taken without a GPU (the GPU test below captures for real)
-    monkeypatch.setattr(stages, "_capturing", lambda buffer: True)
+    # the default (None) follows whether a CUDA graph is being captured: here made to say
+    # "capturing" on the CPU, so the host form is taken without a GPU (the GPU test below
+    # captures for real)
+    from moestream import launch
+    monkeypatch.setattr(launch, "_capturing", lambda buffer: True)
     check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4), [37],
-                      stages.Tuning(use_tma=True, decode_rows=16, l2_block_n=64), gen,
+                      Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16), gen,
                       torch.device("cpu"))
     assert [host for _, host, _ in host_kinds] == [True, True], host_kinds
 
@@ -182,23 +185,23 @@ def test_host_descriptors_by_default_while_a_graph_is_captured(gen, host_kinds, 
 @pytest.mark.parametrize("impl", ["staged", "fused"])
 @pytest.mark.parametrize("decode_rows", [0, 16], ids=["tiles", "decode"])
 def test_a_captured_graph_replays_with_host_descriptors(gen, host_kinds, impl, decode_rows):
-    # the layer's default tuning on one virtual rank, its launches (stages.run_staged /
+    # the layer's default tuning on one virtual rank, its launches (staged.run_staged /
     # run_fused, what mega_moe runs; mega_moe_virtual checks the buffer on the host and
     # cannot be captured) captured into a CUDA graph, where the host builds the descriptors,
     # then replayed with new tokens, routing and pick weights: each replay against the
     # reference, the output poisoned before it
     dev = torch.device("cuda")
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    tuning = replace(stages.Tuning.hopper(32, hidden=cfg.hidden,
-                                          intermediate=cfg.intermediate),
-                     decode_rows=decode_rows)
+    tuning = hopper(32, hidden=cfg.hidden, intermediate=cfg.intermediate).with_(
+        decode_rows=decode_rows)
     buf = SymmBuffer(cfg, num_ranks=1, device=dev)
     xs, idxs, ws = make_case(cfg, 1, [37], gen, dev, drop=0.1)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=dev)
     out = torch.empty(1, 37, cfg.hidden, dtype=torch.bfloat16, device=dev)
-    run = stages.run_staged if impl == "staged" else stages.run_fused
+    run = staged.run_staged if impl == "staged" else run_fused
     if impl == "fused":
-        tuning = tuning.for_fused(buf)
+        tuning = for_fused(tuning, cfg, sms=torch.cuda.get_device_properties(dev)
+                           .multi_processor_count)
 
     def call():
         run(buf, xs, idxs, ws, w13s, w2s, out, tuning=tuning)
@@ -249,4 +252,4 @@ def test_mega_moe_virtual_says_it_cannot_be_captured(gen):
 
 def test_host_descriptors_must_be_none_or_a_bool():
     with pytest.raises(ValueError, match="host_descriptors must be None"):
-        stages.Tuning(host_descriptors=1)
+        Tuning(host_descriptors=1)

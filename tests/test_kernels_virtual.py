@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from moestream import MoEConfig
-from moestream import stages
+from moestream import staged
+from moestream.fused import fused as fused_launch, fused_tuning, max_tickets, run_fused
+from moestream.launch import constants, programs, row_chunks
+from moestream.tuning import Copy, FP8_L2_TILE_MIN_I, Fused, L1, L2, ONE_DOT_L1_STAGES, ONE_DOT_SHALLOW_MIN_HIDDEN, ONE_WAVE, Tuning, decode_rows_for, fp8_l1_split_for, fused_l2_group_for, l1_group_m_for, one_dot_for, tail_rows_for
+from conftest import hopper
 from moestream.buffer import KernelStallError, SymmBuffer
 from moestream.layer import mega_moe_virtual
 from moestream.reference import moe_forward_ranks
@@ -27,7 +31,7 @@ TOL = TOLERANCE["bf16"]
 
 def small_config(**kw) -> MoEConfig:
     base = dict(hidden=256, intermediate=128, num_experts=8, top_k=2, max_tokens_per_rank=24,
-                block_m=16, block_n=64, block_k=64)
+                block_m=16)
     return MoEConfig(**{**base, **kw})
 
 
@@ -71,11 +75,11 @@ def check_layer(ys, xs, idxs, ws, w13s, w2s, *, hidden, label=""):
         assert bool((y[(idxs[r] < 0).all(dim=1)] == 0).all()), (label, r)
 
 
-def run_dispatch(buffer, xs, idxs, ws, *, tuning=stages.Tuning()):
+def run_dispatch(buffer, xs, idxs, ws, *, tuning=Tuning()):
     for lr in range(buffer.local_ranks):
-        stages.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
-    stages.layout(buffer)
-    stages.dispatch(buffer, tuning=tuning)
+        staged.publish(buffer, lr, xs[lr], idxs[lr], ws[lr])
+    staged.layout(buffer)
+    staged.dispatch(buffer, tuning=tuning)
     buffer.check()
 
 
@@ -98,10 +102,9 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager, parts):
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
     # hidden_chunk 64: a row (hidden 256) is 4 chunks
-    tuning = stages.Tuning(dispatch_tile=tile, dispatch_eager=eager, dispatch_parts=parts,
-                           hidden_chunk=64)
+    tuning = Tuning(copy=Copy(dispatch_tile=tile, dispatch_eager=eager, dispatch_parts=parts, hidden_chunk=64))
     run_dispatch(buf, xs, idxs, ws, tuning=tuning)
-    parts = stages.dispatch_parts(buf, tuning)   # arrivals per row
+    parts = staged.dispatch_parts(buf, tuning)   # arrivals per row
 
     cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
     lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
@@ -160,8 +163,7 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager, parts):
     ("skewed routing, hot expert", 2, [24, 24], {"top_k": 4}, {"skew": 0.25}),
     ("K=E, every expert gets every token", 2, [10, 7], {"num_experts": 4, "top_k": 4}, {}),
     ("block_m=64 larger than any expert's tokens", 2, [5, 9], {"block_m": 64}, {}),
-    ("hidden 512, intermediate 256, block_n 128", 2, [11, 6],
-     {"hidden": 512, "intermediate": 256, "block_n": 128, "block_k": 32}, {}),
+    ("hidden 512, intermediate 256", 2, [11, 6], {"hidden": 512, "intermediate": 256}, {}),
 ], ids=lambda c: c[0])
 def test_layer_matches_reference(device, gen, case, impl):
     _, R, Ts, changes, opts = case
@@ -198,13 +200,12 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
     tuning = None
     if granularity == "token-tiles":
         granularity = "token"
-        tuning = stages.Tuning(dispatch_programs=3, dispatch_tile=2, combine_tile=4,
-                               combine_chunk=64)
+        tuning = Tuning(fused=Fused(dispatch_programs=3, combine_tile=4), copy=Copy(dispatch_tile=2, combine_chunk=64))
     elif granularity == "combine-parts":
         # combine tasks of 2 tokens in 3 column parts of ceil(H / 3) columns (the last
         # shorter), each summed 32 columns at a time: the parts cover every column once
         granularity = "token"
-        tuning = stages.Tuning(combine_tile=2, combine_parts=3, combine_chunk=32)
+        tuning = Tuning(fused=Fused(combine_tile=2, combine_parts=3), copy=Copy(combine_chunk=32))
     cfg = small_config(**changes)
     buf = SymmBuffer(cfg, num_ranks=R, device=device)
     poison(buf)
@@ -235,12 +236,11 @@ def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile, program
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     # hidden_chunk 64: rows move in 4 chunks (the first one peeled off the loop)
-    tuned = stages.Tuning(dispatch_tokens=tokens, dispatch_tile=tile, dispatch_programs=programs,
-                          dispatch_eager=eager, hidden_chunk=64)
-    for buf, tuning in zip(bufs, (stages.Tuning(), tuned)):
+    tuned = Tuning(fused=Fused(dispatch_tokens=tokens, dispatch_programs=programs), copy=Copy(dispatch_tile=tile, dispatch_eager=eager, hidden_chunk=64))
+    for buf, tuning in zip(bufs, (Tuning(), tuned)):
         poison(buf)
         y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
-        stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning)
+        run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning)
         buf.check()
     cs = [source_slots(i.cpu(), cfg.num_experts) for i in idxs]
     lay = pool_layout(torch.stack([c for c, _ in cs]), block_m=cfg.block_m)
@@ -270,38 +270,12 @@ def test_bad_granularity_names_what_is_allowed(gen):
     with pytest.raises(ValueError, match="impl='fused'"):
         mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="staged", granularity=16)
     # L2 tickets of several column blocks: the group must divide the 4 column blocks
-    # (hidden 256 / block_n 64) and needs whole tiles
-    for bad, msg in ((dict(fused_l2_group=3), "must divide the L2's 4 column blocks"),
-                     (dict(fused_l2_group=8), "must divide the L2's 4 column blocks"),
-                     (dict(fused_l2_group=2, decode_rows=16), "needs whole L2 tiles")):
-        with pytest.raises(ValueError, match=f"fused_l2_group=.* {msg}"):
-            mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused",
-                             tuning=stages.Tuning(**bad))
-    with pytest.raises(ValueError, match="dispatch_tile"):
-        stages.Tuning(dispatch_tile=3)
-    for name in ("copy_warps", "combine_warps", "hidden_chunk", "combine_chunk"):
-        for bad in (3, 0, 2.0, True):
-            with pytest.raises(ValueError, match=f"{name} must be a power of two"):
-                stages.Tuning(**{name: bad})
-    with pytest.raises(ValueError, match="combine_warps must be at most 16"):
-        stages.Tuning(combine_warps=32)
-    for name in ("gemm_per_sm", "dispatch_parts", "combine_per_sm",
-                 "l1_group_m", "fused_per_sm", "combine_parts", "fused_l2_group"):
-        for bad in (0, 1.5, True):
-            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
-                stages.Tuning(**{name: bad})
-    for bad in (0, 3, 8, True, 2.0):
-        with pytest.raises(ValueError, match="l2_epilogue_split must be 1, 2 or 4"):
-            stages.Tuning(l2_epilogue_split=bad)
-    for name in ("l2_flat", "l1_one_dot"):
-        with pytest.raises(ValueError, match=f"{name} must be a bool"):
-            stages.Tuning(**{name: 1})
-    for bad in (0, 9, 3.0, True, "3"):
-        with pytest.raises(ValueError, match="l1_one_dot_stages must be None"):
-            stages.Tuning(l1_one_dot_stages=bad)
-    for bad in (0, 3, True, 2.0):
-        with pytest.raises(ValueError, match="l2_split_m must be 1 or 2"):
-            stages.Tuning(l2_split_m=bad)
+    # (hidden 256 / the 64-wide tiles) and needs whole tiles
+    for bad, msg in ((Tuning(fused=Fused(l2_group=3)), "must divide the L2's 4 column blocks"),
+                     (Tuning(fused=Fused(l2_group=8)), "must divide the L2's 4 column blocks"),
+                     (Tuning(fused=Fused(l2_group=2), decode_rows=16), "needs whole L2 tiles")):
+        with pytest.raises(ValueError, match=f"Fused.l2_group=.* {msg}"):
+            mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl="fused", tuning=bad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -314,31 +288,30 @@ def test_gemm_tiles_must_divide_their_dimensions(device, gen):
     buf = SymmBuffer(cfg, num_ranks=1, device=device)
     xs, idxs, ws = make_case(cfg, 1, [4], gen, device)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=device)
-    for bad, msg in ((dict(l1_block_n=256), "l1_block_n must be a power of two >= 16 dividing "
-                                            "intermediate=384, got 256"),
-                     (dict(l1_block_k=256), "l1_block_k .* dividing hidden=384"),
-                     (dict(l2_block_n=256), "l2_block_n .* dividing hidden=384"),
-                     (dict(l2_block_k=256), "l2_block_k .* dividing intermediate=384"),
-                     (dict(l2_block_n=96), "l2_block_n must be a power of two")):
+    for bad, msg in ((Tuning(l1=L1(block_n=256)), "L1.block_n must be a power of two >= 16 "
+                                                  "dividing intermediate=384, got 256"),
+                     (Tuning(l1=L1(block_k=256)), "L1.block_k .* dividing hidden=384"),
+                     (Tuning(l2=L2(block_n=256)), "L2.block_n .* dividing hidden=384"),
+                     (Tuning(l2=L2(block_k=256)), "L2.block_k .* dividing intermediate=384"),
+                     (Tuning(l2=L2(block_n=96)), "L2.block_n must be a power of two")):
         for impl in ("staged", "fused"):
             with pytest.raises(ValueError, match=msg):
-                mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl=impl,
-                                 tuning=stages.Tuning(**bad))
-    with pytest.raises(ValueError, match="l2_block_n .* dividing hidden=384"):
-        stages.Tuning(l2_block_n=256).check(cfg.with_(dtype="fp8"))
-    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=stages.Tuning(l2_block_n=128))
+                mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, impl=impl, tuning=bad)
+    with pytest.raises(ValueError, match="L2.block_n .* dividing hidden=384"):
+        Tuning(l2=L2(block_n=256)).check(cfg.with_(dtype="fp8"))
+    ys = mega_moe_virtual(xs, idxs, ws, w13s, w2s, buf, tuning=Tuning(l2=L2(block_n=128)))
     check_layer(ys, xs, idxs, ws, w13s, w2s, hidden=cfg.hidden)
 
 
 # Tuning fields a random draw varies, with the values it picks from (invalid ones included)
-_RANDOM_TUNING = dict(
-    l1_block_n=[None, 16, 32, 64, 128, 256], l2_block_n=[None, 16, 32, 64, 128, 256],
-    l1_block_k=[None, 16, 32, 64, 128], l2_block_k=[None, 16, 32, 64, 128],
-    l2_epilogue_split=[1, 2, 4], l2_flat=[False, True], wait=[True, False], l2_split_m=[1, 2],
-    use_tma=[None, True, False], programs=[0, 1, 3], hidden_chunk=[64, 128, 1024],
-    combine_chunk=[None, 32, 64, 128], dispatch_tile=[1, 2, 4, 8], l1_group_m=[1, 2, 3],
-    decode_rows=[0, 16, 32], l1_tail_rows=[0, 16, 32],
-    l2_tail_rows=[0, 16, 32])
+_RANDOM_TUNING = {
+    "l1.block_n": [None, 16, 32, 64, 128, 256], "l2.block_n": [None, 16, 32, 64, 128, 256],
+    "l1.block_k": [None, 16, 32, 64, 128], "l2.block_k": [None, 16, 32, 64, 128],
+    "l2.epilogue_split": [1, 2, 4], "l2.flat": [False, True], "wait": [True, False],
+    "l2.split_m": [1, 2], "use_tma": [None, True, False], "programs": [0, 1, 3],
+    "copy.hidden_chunk": [64, 128, 1024], "copy.combine_chunk": [None, 32, 64, 128],
+    "copy.dispatch_tile": [1, 2, 4, 8], "l1.group_m": [1, 2, 3], "decode_rows": [0, 16, 32],
+    "l1.tail_rows": [0, 16, 32], "l2.tail_rows": [0, 16, 32]}
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -360,14 +333,13 @@ def test_random_tunings_are_right_or_rejected(device, gen, dtype):
         dims = [rng.choice([128, 256, 384]) for _ in range(2)]
         cfg = MoEConfig(hidden=dims[0], intermediate=dims[1], num_experts=E,
                         top_k=rng.randint(1, min(3, E)), max_tokens_per_rank=24,
-                        block_m=rng.choice([16, 32, 64]), block_n=rng.choice([32, 64, 128]),
-                        block_k=rng.choice([32, 64]), dtype=dtype)
+                        block_m=rng.choice([16, 32, 64]), dtype=dtype)
         R = rng.choice([1, 2]) if E % 2 == 0 else 1
         fields = {k: rng.choice(v) for k, v in _RANDOM_TUNING.items() if rng.random() < 0.4}
         impl = rng.choice(["staged", "fused"])
         label = f"{cfg} {fields} {impl} R={R}"
         try:
-            tuning = stages.Tuning(**fields)
+            tuning = Tuning().with_dotted(fields)
         except ValueError:
             rejected += 1
             continue
@@ -392,21 +364,6 @@ def test_random_tunings_are_right_or_rejected(device, gen, dtype):
             assert not torch.isnan(y).any(), f"{label}: rank {r} rows left unwritten"
             if ref.norm() > 0:
                 assert rel_error(y.cpu(), ref) < TOLERANCE[dtype], f"{label}: rank {r}"
-
-
-def test_hopper_tiles_follow_the_dims():
-    # Tuning.hopper (the GPU defaults): the bf16 L2 128x256 where 256 divides hidden, else
-    # the 128x128 tile at two programs per SM; the fp8 L2 as 128-row tiles from
-    # FP8_L2_TILE_MIN_I on, 64-row pieces below (qwen3's K = 768)
-    wide = stages.Tuning.hopper(128, hidden=7168, intermediate=2048)
-    narrow = stages.Tuning.hopper(128, hidden=7296, intermediate=2048)
-    assert (wide.l2_block_n, wide.l2_warps, wide.l2_stages) == (256, 8, 4)
-    assert (narrow.l2_block_n, narrow.l2_warps, narrow.l2_stages) == (128, 4, 3)
-    assert wide.decode(16, MoEConfig.from_shape("dsv3", max_tokens_per_rank=1)).l2_block_n == 128
-    tile = stages.Tuning.hopper(128, "fp8", hidden=7168, intermediate=stages.FP8_L2_TILE_MIN_I)
-    pieces = stages.Tuning.hopper(128, "fp8", hidden=2048, intermediate=768)
-    assert (tile.l2_split_m, tile.l2_warps, pieces.l2_split_m, pieces.l2_warps) == (1, 8, 2, 4)
-    assert stages.Tuning.hopper(64, "fp8", hidden=2048, intermediate=768).l2_split_m == 1
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -435,8 +392,8 @@ def test_device_layout_follows_schedule(device, gen):
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     run_dispatch(buf, xs, idxs, ws)
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
-                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=8)
+                           block_m=cfg.block_m, n_blocks_l1=cfg.intermediate // 64,
+                           n_blocks_l2=cfg.hidden // 64, num_sms=8)   # Tuning()'s tiles
     for d, plan in enumerate(sched.plans):
         assert buf.view("block_start", d).cpu().tolist() == plan.block_start
         pool_src = buf.view("pool_src", d).cpu()
@@ -450,7 +407,7 @@ def test_device_layout_follows_schedule(device, gen):
     (2, [24, 17], 7, 4),        # several waves per rank, 7 experts (prime-ish), some empty
     (1, [1], 5, 2),             # T=1: most experts receive nothing; empties ride along
     (2, [24, 24], 4, 10_000),   # one wave that never reaches wave_blocks closes at the end
-    (2, [24, 0], 5, stages.ONE_WAVE),   # the fused decode default; a rank with no tokens
+    (2, [24, 0], 5, ONE_WAVE),   # the fused decode default; a rank with no tokens
 ])
 def test_device_waves_follow_schedule(device, gen, R, Ts, e_per_rank, wave_blocks):
     # the layout kernel's expert waves (fused launch only) are moestream.schedule's
@@ -461,11 +418,11 @@ def test_device_waves_follow_schedule(device, gen, R, Ts, e_per_rank, wave_block
     for d in range(R):
         buf.view("wave_mb", d).fill_(-7)
         buf.view("num_waves", d).fill_(-7)
-    stages.layout(buf, tuning=stages.Tuning(wave_blocks=wave_blocks), waves=True)
+    staged.layout(buf, tuning=Tuning(fused=Fused(wave_blocks=wave_blocks)), waves=True)
     buf.check()
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
-                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=wave_blocks)
+                           block_m=cfg.block_m, n_blocks_l1=cfg.intermediate // 64,
+                           n_blocks_l2=cfg.hidden // 64, num_sms=wave_blocks)
     for d, plan in enumerate(sched.plans):
         n = len(plan.waves)
         assert int(buf.view("num_waves", d)) == n
@@ -484,7 +441,7 @@ def test_peer_that_never_publishes_raises_instead_of_hanging(device, gen):
     # layout step waits for rank 1's ready flag
     buf.view("epoch", 0).add_(1)
     buf.view("ready", 0).add_(1)
-    stages.layout(buf)
+    staged.layout(buf)
     with pytest.raises(KernelStallError, match=r"rank 0: .*peer ready flag.*peer rank 1"):
         buf.check()
 
@@ -496,9 +453,9 @@ def test_gemm_without_dispatch_reports_the_stalled_block(device, gen):
     xs, idxs, ws = make_case(cfg, 2, [8, 8], gen, device)
     w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
     for lr in range(2):
-        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.layout(buf)
-    stages.l1(buf, w13s)   # dispatch skipped: no pool block ever fills
+        staged.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
+    staged.layout(buf)
+    staged.l1(buf, w13s)   # dispatch skipped: no pool block ever fills
     with pytest.raises(KernelStallError, match="L1: pool block arrival count"):
         buf.check()
 
@@ -513,11 +470,11 @@ def test_combine_without_l2_reports_the_missing_ranks(device, gen):
     xs, idxs, ws = make_case(cfg, 2, [8, 5], gen, device)
     w13s, _ = make_weights(cfg, 2, generator=gen, device=device)
     for lr in range(2):
-        stages.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
-    stages.layout(buf)
-    stages.dispatch(buf)
-    stages.l1(buf, w13s)
-    stages.combine(buf, torch.empty(2, 8, cfg.hidden, dtype=torch.bfloat16, device=device))
+        staged.publish(buf, lr, xs[lr], idxs[lr], ws[lr])
+    staged.layout(buf)
+    staged.dispatch(buf)
+    staged.l1(buf, w13s)
+    staged.combine(buf, torch.empty(2, 8, cfg.hidden, dtype=torch.bfloat16, device=device))
     with pytest.raises(KernelStallError, match="every rank's L2 finished"):
         buf.check()
 
@@ -581,33 +538,33 @@ def test_bad_arguments_name_what_is_wrong(gen):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    stages.Tuning(use_tma=True),                                      # tensor-descriptor loads
-    stages.Tuning(use_tma=False),                                     # pointer loads
-    stages.Tuning(l1_block_n=32, l1_block_k=32, l2_block_n=128, l2_block_k=16),  # other tiles
-    stages.Tuning(wait=False, programs=3),                            # stream order only
-    stages.Tuning(l2_block_n=32, programs=3),                         # more L2 tiles
-    stages.Tuning(wait=False, l2_flat=True, programs=3),             # flat L2 (tile, k) loop
-    stages.Tuning(l2_epilogue_split=2, l2_block_n=64),                # L2 stores in two halves
-    stages.Tuning(l2_epilogue_split=4, l2_block_n=128, use_tma=True),  # ... in four quarters
-    stages.Tuning(wait=False, l2_flat=True, l2_epilogue_split=2, use_tma=True),   # both
+    Tuning(use_tma=True),                                      # tensor-descriptor loads
+    Tuning(use_tma=False),                                     # pointer loads
+    Tuning(l1=L1(block_n=32, block_k=32), l2=L2(block_n=128, block_k=16)),  # other tiles
+    Tuning(wait=False, programs=3),                            # stream order only
+    Tuning(l2=L2(block_n=32), programs=3),                         # more L2 tiles
+    Tuning(l2=L2(flat=True), wait=False, programs=3),             # flat L2 (tile, k) loop
+    Tuning(l2=L2(epilogue_split=2, block_n=64)),                # L2 stores in two halves
+    Tuning(l2=L2(epilogue_split=4, block_n=128), use_tma=True),  # ... in four quarters
+    Tuning(l2=L2(flat=True, epilogue_split=2), wait=False, use_tma=True),   # both
     # the staged combine with its own launch shape, summing rows in 64-column chunks (hidden
     # 256: four chunks per token, so the chunk loop's offsets are exercised)
-    stages.Tuning(combine_warps=8, combine_per_sm=1, combine_chunk=64),
+    Tuning(copy=Copy(combine_warps=8, combine_per_sm=1, combine_chunk=64)),
     # L1 tickets in groups of m-blocks (m fastest within a group): 3 does not divide the
     # m-block count, so the last group is smaller; L1 blocks wait on their m-block's arrivals
-    stages.Tuning(l1_group_m=3),
-    stages.Tuning(l1_group_m=8, wait=False, programs=3),   # one group holds every m-block
+    Tuning(l1=L1(group_m=3)),
+    Tuning(l1=L1(group_m=8), wait=False, programs=3),   # one group holds every m-block
     # 8-token dispatch tickets with eager loads (large calls on GPUs): 21 and 10 tokens end
     # in partly filled tiles
-    stages.Tuning(dispatch_tile=8, dispatch_eager=True),
+    Tuning(copy=Copy(dispatch_tile=8, dispatch_eager=True)),
     # the L1's gate and up as one MMA over a [2, block_n, K step] weight tile (3-D descriptor)
-    stages.Tuning(use_tma=True, l1_one_dot=True, l1_block_n=64),
+    Tuning(l1=L1(one_dot=True, block_n=64), use_tma=True),
     # ... without waits, in groups of m-blocks (the last smaller), 3 programs for more tiles
-    stages.Tuning(use_tma=True, l1_one_dot=True, wait=False, l1_group_m=3, programs=3),
+    Tuning(l1=L1(one_dot=True, group_m=3), use_tma=True, wait=False, programs=3),
     # ... asked for with pointer loads: the two-MMA form runs (one dot needs descriptors)
-    stages.Tuning(use_tma=False, l1_one_dot=True),
+    Tuning(l1=L1(one_dot=True), use_tma=False),
     # the GPU default (Tuning.hopper): one 256-wide L2 column block of 8 warps, flat loop
-    stages.Tuning.hopper(128, hidden=256, intermediate=128),
+    hopper(128, hidden=256, intermediate=128),
 ], ids=["tma", "pointers", "tiles", "nowait", "l2-tiles", "flat", "epilogue-split",
         "epilogue-split4", "flat-split", "combine-shape", "l1-group3", "l1-group8",
         "dispatch-tile8", "l1-one-dot", "l1-one-dot-nowait-grouped", "l1-one-dot-pointers",
@@ -616,54 +573,7 @@ def test_tuning_variants_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(), [21, 10], tuning, gen, device)
 
 
-def test_l1_groups_where_an_m_block_has_many_column_blocks():
-    # an H200 (132 SMs) at the model shapes' L1 column blocks (intermediate / 128): mixtral's
-    # 112 would leave about one m-block in flight with n fastest; the others keep n fastest
-    sms = 132
-    assert stages.l1_group_m_for(14336 // 128, sms) == 8     # mixtral
-    for intermediate in (2048, 768):                         # dsv3 / v4flash, qwen3
-        assert stages.l1_group_m_for(intermediate // 128, sms) == 1
-    assert stages.l1_group_m_for(33, sms) == 1 and stages.l1_group_m_for(34, sms) == 8
-
-
-def test_one_dot_l1_from_two_m_blocks_per_expert():
-    # Tuning.for_call's rule: the L1 as one gate-and-up MMA once the mean rows per expert
-    # (tokens * ranks * top_k / experts) reach 2 * block_m; EP2 on the model shapes
-    def on(tokens, experts, top_k):
-        return stages.one_dot_for(tokens=tokens, ranks=2, top_k=top_k, num_experts=experts,
-                                  block_m=128)
-    assert on(2048, 128, 8) and on(8192, 128, 8)            # qwen3: 256 / 1024 rows
-    assert not on(2048, 256, 8) and on(4096, 256, 8)        # dsv3: 128 / 256 rows
-    assert not on(2048, 256, 6) and on(8192, 256, 6)        # v4flash: 96 / 384 rows
-    assert on(512, 8, 2) and not on(511, 8, 2)              # mixtral: the boundary at 256
-    assert not on(0, 8, 2)                                  # an empty call
-
-
-@pytest.mark.parametrize("shape, stages_l1", [
-    ("dsv3", 3),      # hidden 7168: faster at 256 / 512 rows per expert
-    ("mixtral", 3),   # hidden 4096 (the threshold)
-    ("qwen3", None),  # hidden 2048: slower at 256 rows, so l1_stages (4)
-])
-def test_one_dot_l1_runs_three_stages_where_hidden_is_long(shape, stages_l1):
-    # Tuning.for_call sets l1_one_dot_stages by the L1's K (hidden) in whole-tile calls (a
-    # decode call runs no one-MMA L1); the fused launch, which never runs that form, keeps
-    # its depth, and so does every other L1 form
-    from dataclasses import replace as dc_replace
-    for tokens in (2048, 8192):   # EP2: dsv3 128 / 512 rows per expert (one MMA off / on)
-        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens)
-        buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-        buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
-        t = stages.Tuning.for_call(buf, tokens)
-        assert t.l1_one_dot_stages == stages_l1, tokens
-        depth = stages.Tuning.for_buffer(buf).l1_stages
-        assert t.l1_stages == depth, tokens   # the other L1 forms keep theirs
-        fused = stages.fused_tuning(buf, tokens)
-        assert fused.l1_stages == depth, tokens
-        buf.destroy()
-    assert stages.ONE_DOT_SHALLOW_MIN_HIDDEN == 4096 and stages.ONE_DOT_L1_STAGES == 3
-
-
-def check_tuned_layer(cfg: MoEConfig, Ts, tuning: stages.Tuning, gen, device, *,
+def check_tuned_layer(cfg: MoEConfig, Ts, tuning: Tuning, gen, device, *,
                       routing=None, impl: str = "staged") -> SymmBuffer:
     """One call (``impl``) with ``tuning`` on len(Ts) virtual ranks (10 % -1 picks, or
     ``routing`` as ``make_case`` takes it) against the reference, buffer poisoned first.
@@ -685,7 +595,7 @@ def test_counters_are_counted_only_for_launches_that_wait(device, gen, wait):
     # order): dispatch counts no arrivals and L1 no l1_done, since each count is a release
     # fence that holds its program; with waits both count. The layer is right either way.
     buf = check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
-                            [37, 23], stages.Tuning(wait=wait, programs=3), gen, device)
+                            [37, 23], Tuning(wait=wait, programs=3), gen, device)
     for d in range(2):
         arrivals = int(buf.view("arrival", d).cpu().sum())
         l1_done = int(buf.view("l1_done", d).cpu().sum())
@@ -694,9 +604,8 @@ def test_counters_are_counted_only_for_launches_that_wait(device, gen, wait):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    stages.Tuning(l2_split_m=2, use_tma=True, l2_block_n=64),          # pieces by descriptor
-    stages.Tuning(l2_split_m=2, use_tma=False, wait=False, l2_flat=True,
-                  l2_epilogue_split=2, programs=3),                    # pointers, flat
+    Tuning(l2=L2(split_m=2, block_n=64), use_tma=True),          # pieces by descriptor
+    Tuning(l2=L2(split_m=2, flat=True, epilogue_split=2), use_tma=False, wait=False, programs=3),                    # pointers, flat
 ], ids=["tma", "pointers-flat"])
 def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows, the least a GPU dot takes);
@@ -710,15 +619,12 @@ def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # block_m 32 in pieces of 16 rows: ~30 rows per expert, so an m-block runs a full and a
     # partial piece (weights read twice); descriptor loads; dispatch moves rows in 2 parts
     # (tiles of 4 tokens, eager), so the L1 waits for 2 arrivals per row
-    ([37, 23], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, dispatch_parts=2,
-                             hidden_chunk=128, dispatch_tile=4, dispatch_eager=True)),
+    ([37, 23], Tuning(l2=L2(block_n=64), copy=Copy(dispatch_parts=2, hidden_chunk=128, dispatch_tile=4, dispatch_eager=True), decode_rows=16, use_tma=True)),
     # pointer loads, no waits, quarters; a piece of 16 rows in a 32-row block
-    ([37, 23], stages.Tuning(decode_rows=16, use_tma=False, wait=False,
-                             l2_epilogue_split=4, l2_block_n=64, programs=3)),
+    ([37, 23], Tuning(l2=L2(epilogue_split=4, block_n=64), decode_rows=16, use_tma=False, wait=False, programs=3)),
     # decode proper: T=1 and T=2 (an m-block holds 1-4 valid rows of one 32-row piece);
     # l2_flat and l2_split_m are set but do not apply in decode pieces
-    ([1, 2], stages.Tuning(decode_rows=32, use_tma=True, l2_flat=True, l2_split_m=2,
-                           wait=False)),
+    ([1, 2], Tuning(l2=L2(flat=True, split_m=2), decode_rows=32, use_tma=True, wait=False)),
 ], ids=["wide-piece-tma", "wide-piece-pointers", "decode-T1"])
 def test_decode_pieces_compute_the_same_layer(device, gen, Ts, tuning):
     # L1 and L2 with the weight tile as the MMA row operand: blocks of <= decode_rows rows
@@ -732,7 +638,7 @@ def test_decode_pieces_of_a_full_block(device, gen):
     # block_m 64, two experts, top-2: ~57 rows per expert, so two 32-row pieces per m-block
     # (the second partly filled, its L2 rows in the block's second half); T=3 on one rank
     check_tuned_layer(small_config(block_m=64, max_tokens_per_rank=64, num_experts=2),
-                      [61, 3], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64),
+                      [61, 3], Tuning(l2=L2(block_n=64), decode_rows=16, use_tma=True),
                       gen, device)
 
 
@@ -742,21 +648,21 @@ def test_decode_pieces_of_a_full_block(device, gen):
     # in one 32-row piece; descriptor loads; each L2 block releases its rows' combine flags
     # after its piece (the fused combine waits on them: a missing release stalls the call)
     ({"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4}, [37, 23],
-     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, fused_per_sm=2)),
+     Tuning(l2=L2(block_n=64), fused=Fused(per_sm=2), decode_rows=16, use_tma=True)),
     # decode proper: T=1 and T=2 (1-4 valid rows in one 32-row piece), pointer loads
     ({"block_m": 32, "max_tokens_per_rank": 40, "num_experts": 4}, [1, 2],
-     stages.Tuning(decode_rows=32, use_tma=False)),
+     Tuning(decode_rows=32, use_tma=False)),
     # block_m 64, two experts, top-2: ~57 rows per expert, two 32-row pieces per m-block (the
     # release waits for the second); T=3 on one rank, 8-token dispatch tasks
     ({"block_m": 64, "max_tokens_per_rank": 64, "num_experts": 2}, [61, 3],
-     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, dispatch_programs=8)),
+     Tuning(l2=L2(block_n=64), fused=Fused(dispatch_programs=8), decode_rows=16, use_tma=True)),
 ], ids=["pieces-16-32-tma", "decode-T1-pointers", "two-wide-pieces"])
 def test_fused_launch_in_decode_pieces(device, gen, cfg_changes, Ts, tuning):
     # the fused launch's GEMM blocks in decode pieces (Tuning.decode_rows, as the staged ones)
     check_tuned_layer(small_config(**cfg_changes), Ts, tuning, gen, device, impl="fused")
 
 
-# Tail pieces (Tuning.l1_tail_rows / l2_tail_rows): block_m 32, two ranks of two experts,
+# Tail pieces (Tuning.l1.tail_rows / l2_tail_rows): block_m 32, two ranks of two experts,
 # exactly 37 / 52 / 14 / 0 picks per expert: expert 0 ends in a 5-row m-block (a tail piece),
 # expert 1 in a 20-row one (more than 16 rows: the usual tile, or with l2_split_m=2 a full
 # 16-row L2 piece and a 4-row tail piece at row 16), expert 2 is one 14-row block (a tail
@@ -773,17 +679,15 @@ def tail_routing(gen, top_k: int = 2):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     # rows and weights by descriptor; L2 in whole 32-row blocks
-    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=True, l2_block_n=64),
+    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, block_n=64), use_tma=True),
     # pointer loads, no waits; L2 in 16-row pieces (an empty second piece computes nothing)
     # with the flat loop asked for
-    stages.Tuning(l1_tail_rows=16, l2_tail_rows=16, use_tma=False, l2_split_m=2, wait=False,
-                  l2_flat=True, programs=3),
+    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, flat=True), use_tma=False, wait=False, programs=3),
     # 32-row L1 tail pieces: every partly filled block (expert 1's 20 rows too) is one
     # piece; the L2 as usual (flat loop, quarters)
-    stages.Tuning(l1_tail_rows=32, use_tma=True, l2_block_n=64, wait=False, l2_flat=True,
-                  l2_epilogue_split=4),
+    Tuning(l1=L1(tail_rows=32), l2=L2(block_n=64, flat=True, epilogue_split=4), use_tma=True, wait=False),
     # the L2 only, 32-row pieces
-    stages.Tuning(l2_tail_rows=32, use_tma=True, l2_block_n=64),
+    Tuning(l2=L2(tail_rows=32, block_n=64), use_tma=True),
 ], ids=["tail16-tma", "tail16-pointers-split", "l1-tail32", "l2-tail32"])
 def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
     check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4),
@@ -801,14 +705,14 @@ HOT_COUNTS = [60, 3, 0, 20]
 def claims_in(buf, cfg, tuning) -> dict[tuple[str, int], bool]:
     """Which staged GEMM launch of the call just run claimed tickets, per (GEMM, local rank):
     more tickets (m-blocks x column blocks, or row pieces) than twice its programs."""
-    programs = stages._programs(buf, tuning, tuning.gemm_per_sm)
-    flat = tuning.l2_flat and not tuning.wait
+    progs = programs(buf, tuning, tuning.gemm_per_sm)
+    flat = tuning.l2.flat and not tuning.wait
     out = {}
     for d in range(buf.local_ranks):
         blocks = int(buf.view("block_start", d)[-1])
-        out["l1", d] = blocks * (cfg.intermediate // tuning.l1_tile(cfg)[0]) > 2 * programs
-        l2_tickets = blocks * tuning.l2_split_m * (cfg.hidden // tuning.l2_tile(cfg)[0])
-        out["l2", d] = not flat and l2_tickets > 2 * programs
+        out["l1", d] = blocks * (cfg.intermediate // tuning.l1_tile(cfg)[0]) > 2 * progs
+        l2_tickets = blocks * tuning.l2.split_m * (cfg.hidden // tuning.l2_tile(cfg)[0])
+        out["l2", d] = not flat and l2_tickets > 2 * progs
     return out
 
 
@@ -817,16 +721,14 @@ def claims_in(buf, cfg, tuning) -> dict[tuple[str, int], bool]:
     # decode pieces by descriptor, 3 programs: rank 0 (2 m-blocks, 4 L1 / 4 L2 column
     # blocks) claims in both GEMMs, rank 1 (1 m-block) deals its 4 + 4 tickets round-robin;
     # L1 blocks wait and count l1_done (checked exactly below)
-    (stages.Tuning(gemm_claim=True, decode_rows=16, use_tma=True, l1_block_n=32,
-                   l2_block_n=64, programs=3), True),
+    (Tuning(l1=L1(block_n=32), l2=L2(block_n=64), gemm_claim=True, decode_rows=16, use_tma=True, programs=3), True),
     # whole tiles, pointer loads, no waits, 1 program: every ticket past the second claimed;
     # random routing (10 % -1 picks)
-    (stages.Tuning(gemm_claim=True, use_tma=False, wait=False, programs=1), False),
+    (Tuning(gemm_claim=True, use_tma=False, wait=False, programs=1), False),
     # L1 tickets in groups of m-blocks and L2 row pieces, claimed alike
-    (stages.Tuning(gemm_claim=True, l1_group_m=3, l2_split_m=2, l2_block_n=32,
-                   programs=2), False),
+    (Tuning(l1=L1(group_m=3), l2=L2(split_m=2, block_n=32), gemm_claim=True, programs=2), False),
     # the flat L2 keeps its loop (its tickets are not claimed); the L1's are
-    (stages.Tuning(gemm_claim=True, wait=False, l2_flat=True, l1_block_n=32, programs=1),
+    (Tuning(l2=L2(flat=True), l1=L1(block_n=32), gemm_claim=True, wait=False, programs=1),
      True),
 ], ids=["decode-hot-tma", "tiles-pointers", "grouped-row-pieces", "flat-l2"])
 def test_claimed_gemm_tickets_compute_the_same_layer(device, gen, tuning, hot):
@@ -849,11 +751,6 @@ def test_claimed_gemm_tickets_compute_the_same_layer(device, gen, tuning, hot):
             assert done.tolist() == [nb1] * blocks, (d, done)
 
 
-def test_gemm_claim_must_be_a_bool():
-    with pytest.raises(ValueError, match="gemm_claim must be a bool"):
-        stages.Tuning(gemm_claim=1)
-
-
 def test_routing_with_counts_gives_exact_counts(gen):
     # the helper the tail tests rely on: exact per-expert counts over all ranks, every token's
     # picks distinct, the rest -1; counts that cannot fit are a ValueError
@@ -867,204 +764,6 @@ def test_routing_with_counts_gives_exact_counts(gen):
         routing_with_counts([71, 0], [40, 30], 2, generator=gen)   # one expert twice a token
     with pytest.raises(ValueError, match="do not fit"):
         routing_with_counts([70, 70, 1], [40, 30], 2, generator=gen)   # more picks than slots
-
-
-def test_tail_rows_rules():
-    # user errors name the field and what is allowed; tail pieces step aside where decode
-    # pieces or fp4w pieces already cover the blocks
-    cfg = small_config(block_m=32)
-    with pytest.raises(ValueError, match="l1_tail_rows must be 0"):
-        stages.Tuning(l1_tail_rows=8)
-    with pytest.raises(ValueError, match="l2_tail_rows must be 0"):
-        stages.Tuning(l2_tail_rows=64)
-    with pytest.raises(ValueError, match="l2_tail_rows=32 must divide the L2 row piece"):
-        stages.Tuning(l2_tail_rows=32, l2_split_m=2).tail_pieces(cfg, "l2")
-    with pytest.raises(ValueError, match="l1_tail_rows=32 must divide"):
-        stages.Tuning(l1_tail_rows=32).tail_pieces(small_config(block_m=16), "l1")
-    t = stages.Tuning(l1_tail_rows=32, l2_tail_rows=16, l2_split_m=2)
-    assert (t.tail_pieces(cfg, "l1"), t.tail_pieces(cfg, "l2")) == (32, 16)
-    assert stages.Tuning(l1_tail_rows=16, decode_rows=16).tail_pieces(cfg, "l1") == 0
-    assert stages.Tuning(l2_tail_rows=16).tail_pieces(cfg.with_(dtype="fp4w"), "l2") == 0
-    assert stages.Tuning().tail_pieces(cfg, "l1") == 0
-
-
-def test_decode_rows_must_fit_the_block(gen):
-    # user errors name the field and what is allowed
-    with pytest.raises(ValueError, match="decode_rows must be 0"):
-        stages.Tuning(decode_rows=64)
-    with pytest.raises(ValueError, match="must divide block_m=16"):
-        stages.Tuning(decode_rows=32).decode_pieces(small_config(block_m=16))
-
-
-@pytest.mark.parametrize("tokens, ranks, top_k, experts, block_m, want", [
-    (1, 2, 8, 256, 128, 16),     # dsv3 decode: ~0.06 rows per expert
-    (128, 2, 8, 256, 128, 16),   # dsv3 T=128: mean 8, rarely past 32 rows
-    (256, 2, 8, 256, 128, 16),   # mean 16: 16 + 12 + 1 <= 32
-    (512, 2, 8, 256, 128, 0),    # mean 32: 128-row tiles
-    (32, 2, 2, 8, 128, 16),      # mixtral T=32: mean 16
-    (64, 2, 2, 8, 128, 0),       # mixtral T=64: mean 32, off
-    (8, 2, 2, 8, 16, 16),        # block_m 16 takes pieces of 16
-    (1, 2, 2, 8, 24, 0),         # block_m 24 (not a multiple of 16): off
-    (0, 2, 8, 256, 128, 16),     # no tokens: nothing to lose
-])
-def test_decode_rows_rule(tokens, ranks, top_k, experts, block_m, want):
-    assert stages.decode_rows_for(tokens=tokens, ranks=ranks, top_k=top_k,
-                                  num_experts=experts, block_m=block_m) == want
-
-
-@pytest.mark.parametrize("tokens, top_k, experts, block_m, dtype, split, want", [
-    (512, 8, 256, 128, "fp8", 2, (32, 32)),    # dsv3 T=512: mean 32 rows, 64-row L2 pieces
-    (512, 8, 128, 128, "fp8", 2, (32, 32)),    # qwen3 T=512: mean 64 = block_m / 2
-    (1024, 8, 128, 128, "fp8", 2, (0, 0)),     # mean 128: whole tiles, the flat L2 loop
-    (2048, 6, 256, 128, "fp8", 2, (0, 0)),     # v4flash T=2048: mean 96, off
-    (512, 8, 256, 128, "bf16", 1, (32, 0)),    # bf16: the L1 only
-    (2048, 8, 256, 128, "bf16", 1, (0, 0)),    # mean 128: off
-    (512, 8, 256, 128, "fp4w", 1, (0, 0)),     # fp4w has its own row pieces
-    (64, 2, 8, 64, "fp8", 1, (32, 32)),        # block_m 64: mean 32 = block_m / 2
-    (16, 2, 8, 16, "fp8", 1, (16, 16)),        # block_m 16: pieces of 16
-    (16, 2, 8, 32, "fp8", 2, (32, 16)),        # L2 pieces of 16 rows take 16-row tails
-    (16, 2, 8, 24, "fp8", 1, (0, 0)),          # block_m 24: no piece divides it
-])
-def test_tail_rows_rule(tokens, top_k, experts, block_m, dtype, split, want):
-    assert stages.tail_rows_for(tokens=tokens, ranks=2, top_k=top_k, num_experts=experts,
-                                block_m=block_m, dtype=dtype, l2_split_m=split) == want
-
-
-@pytest.mark.parametrize("tokens, top_k, experts, tiles, programs, want", [
-    (1, 8, 128, 6, 264, 4),     # qwen3 fp8, 1 token: 8 blocks x 6 tiles x 4 = 192 <= 264
-    (2, 8, 128, 6, 264, 1),     # 2 tokens: 16 blocks, 384 > 264 (the device would not split)
-    (1, 8, 128, 16, 264, 1),    # dsv3 fp8 (I = 2048: 16 tiles a block): 512 > 264
-    (1, 4, 128, 6, 264, 4),     # top-4: 96 <= 264
-    (8, 8, 2, 6, 264, 4),       # 2 local experts: at most 2 blocks whatever the picks
-    (1, 8, 128, 6, 132, 1),     # one program per SM: 192 > 132
-    (0, 8, 128, 6, 264, 4),     # no tokens: as one (the call may still have peers' picks)
-])
-def test_fp8_l1_split_rule(tokens, top_k, experts, tiles, programs, want):
-    assert stages.fp8_l1_split_for(tokens=tokens, top_k=top_k, experts_per_rank=experts,
-                                   l1_tiles_per_block=tiles, programs=programs) == want
-
-
-def test_for_call_splits_the_fp8_decode_l1_only_where_it_splits():
-    # the fp8 L1 with its split form in it runs unsplit tiles slower, so for_call launches it
-    # only where a call's expected tiles split; bf16 keeps 4 in every decode call (its split
-    # kernel costs nothing unsplit)
-    from dataclasses import replace as dc_replace
-    cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=256)
-    got = {}
-    for fmt in ("fp8", "bf16"):
-        b = SymmBuffer(cfg.with_(dtype=fmt), num_ranks=1, device="cpu")
-        b._launch_constants = dc_replace(stages._constants(b), sms=132)
-        got[fmt] = [stages.Tuning.for_call(b, T).l1_split_k for T in (1, 2, 8, 4096)]
-        b.destroy()
-    assert got == {"fp8": [4, 1, 1, 1], "bf16": [4, 4, 4, 1]}
-
-
-def test_for_call_turns_decode_pieces_on_for_decode_calls():
-    # with the GPU's SM count in place (a CPU buffer otherwise keeps the interpreter's tiles):
-    # a decode call gets pieces and their launch shapes (the fused launch too, two programs
-    # per SM), a large one doesn't
-    from dataclasses import replace as dc_replace
-    cfg = MoEConfig.from_shape("dsv3", max_tokens_per_rank=256)
-    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-    buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
-    t = stages.Tuning.for_call(buf, 1)
-    assert (t.decode_rows, t.l1_block_n, t.l1_warps, t.l2_stages) == (16, 64, 4, 5)
-    assert stages.dispatch_parts(buf, t) == 7   # 7168-wide rows: 7 chunks of 1024, a ticket each
-    assert stages.dispatch_parts(buf, stages.Tuning.for_call(buf, 4096)) == 1
-    # fp8 rows: 7168 e4m3 bytes + 56 fp32 scales = 3696 words, 4 chunks of 1024
-    t8 = stages.Tuning.hopper(128, "fp8", hidden=cfg.hidden, intermediate=cfg.intermediate)
-    assert t8.decode(16, cfg.with_(dtype="fp8")).dispatch_parts == 4
-    assert stages.Tuning.for_call(buf, 256).decode_rows == 16    # mean 16 rows per expert
-    assert stages.Tuning.for_call(buf, 256, decode=False).decode_rows == 0
-    # bf16 decode launches claim their GEMM tickets (a hot expert's block of several pieces
-    # holds one program up); larger calls deal them round-robin
-    assert t.gemm_claim and not stages.Tuning.for_call(buf, 4096).gemm_claim
-    for fmt in ("fp8", "fp4w"):   # fp8: in decode only; fp4w (a piece per 64 rows): always
-        q = SymmBuffer(cfg.with_(dtype=fmt), num_ranks=2, device="cpu")
-        q._launch_constants = dc_replace(stages._constants(q), sms=132)
-        assert stages.Tuning.for_call(q, 1).gemm_claim
-        assert stages.Tuning.for_call(q, 4096).gemm_claim == (fmt == "fp4w")
-        q.destroy()
-    f = stages.fused_tuning(buf, 1)
-    assert (f.decode_rows, f.l1_block_n, f.l1_warps, f.fused_per_sm) == (16, 64, 4, 2)
-    assert f.wave_blocks == stages.ONE_WAVE   # decode pieces: every expert in one wave
-    # ... and one-token dispatch tiles moving a 7168-wide row in one load
-    assert (f.dispatch_tile, f.hidden_chunk) == (1, 8192)
-    assert stages._row_chunks(7168, f.hidden_chunk) == 1
-    assert f.fused_l2_group == 1   # decode pieces: an L2 ticket per block
-    f = stages.fused_tuning(buf, 2048)
-    assert (f.decode_rows, f.fused_per_sm, f.wave_blocks) == (0, 1, None)
-    assert f.fused_l2_group == 4   # bf16, I = 2048: 56 L2 column blocks in 14 tickets
-    fp8 = SymmBuffer(cfg.with_(dtype="fp8"), num_ranks=2, device="cpu")
-    fp8._launch_constants = dc_replace(stages._constants(fp8), sms=132)
-    assert stages.fused_tuning(fp8, 2048).fused_l2_group == 1   # fp8: not measured faster
-    fp8.destroy()
-    assert (f.dispatch_tile, f.hidden_chunk) == (8, 1024)   # 2048 x 8 picks: 8-token tiles
-    assert stages.fused_tuning(buf, 512).dispatch_tile == 4
-    # mixtral: 4 local experts x 32 L2 column blocks, fewer than two per SM, split-K parts
-    # fill them: two programs per SM as elsewhere
-    mix = SymmBuffer(MoEConfig.from_shape("mixtral", max_tokens_per_rank=8), num_ranks=2,
-                     device="cpu")
-    mix._launch_constants = dc_replace(stages._constants(mix), sms=132)
-    f = stages.fused_tuning(mix, 8)
-    assert (f.decode_rows, f.fused_per_sm) == (16, 2)
-    # I = 14336: the L2's K loop is long, its tickets stay one block (grouping does not pay)
-    assert stages.fused_tuning(mix, 2048).fused_l2_group == 1
-    mix.destroy()
-    # combine tasks split into column parts until they cover the SMs: 128 tokens in tasks of
-    # 4 -> 32 tasks x 8 parts of 896 columns; 1 token -> 16 parts of 448 (7168 = 7 * 2**10);
-    # 4096 tokens: 1024 tasks, one part
-    assert [stages.fused_tuning(buf, T).combine_parts for T in (128, 1, 4096)] == [8, 16, 1]
-    # larger staged calls: tail pieces (bf16: L1 only, up to 64 rows per expert); not for the
-    # fused launch, which has no pieces
-    t = stages.Tuning.for_call(buf, 512)
-    assert (t.decode_rows, t.l1_tail_rows, t.l2_tail_rows) == (0, 32, 0)
-    assert stages.Tuning.for_call(buf, 512, decode=False).l1_tail_rows == 0
-    assert stages.fused_tuning(buf, 512).l1_tail_rows == 0
-    buf.destroy()
-
-
-def test_fused_l2_groups_leave_at_most_16_tickets_per_m_block():
-    # bf16 with a short L2 K loop (I <= 2048): two column blocks per ticket at least, more
-    # until an m-block has at most 16 tickets; long K (mixtral), fp8 and odd counts: one
-    want = {"qwen3": 2, "v4flash": 2, "dsv3": 4, "mixtral": 1}   # 16, 32, 56, 32 blocks
-    for shape, g in want.items():
-        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=8)
-        assert stages.fused_l2_group_for(cfg, 128) == g, shape
-        assert (cfg.hidden // 128) % g == 0 and cfg.hidden // 128 // g <= 16 or g == 1
-        assert stages.fused_l2_group_for(cfg.with_(dtype="fp8"), 128) == 1
-    odd = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8).with_(hidden=2048 + 128)
-    assert stages.fused_l2_group_for(odd, 128) == 1        # 17 column blocks
-    wide = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8).with_(hidden=128 * 96)
-    assert stages.fused_l2_group_for(wide, 128) == 8       # 96 blocks: 12 tickets of 8
-
-
-@pytest.mark.parametrize("shape, tokens, tile, group", [
-    ("dsv3", 2048, 8, 1),      # 16384 picks: 8-token dispatch tickets; 16 L1 column blocks
-    ("dsv3", 512, None, 1),    # 4096 picks: the buffer's default tickets (8 measured slower)
-    ("mixtral", 2048, None, 8),   # top-2: 4096 picks; 112 L1 column blocks: grouped tickets
-    ("mixtral", 8192, 8, 8),
-    ("qwen3", 8192, 8, 1),
-])
-def test_for_call_sizes_dispatch_tiles_and_l1_groups(shape, tokens, tile, group):
-    # the GPU's SM count in place, as in the test above; the fp8 layer follows the same rules
-    from dataclasses import replace as dc_replace
-    for dtype in ("bf16", "fp8"):
-        cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens, dtype=dtype)
-        buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-        buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
-        t = stages.Tuning.for_call(buf, tokens)
-        want = tile or stages.Tuning.for_buffer(buf).dispatch_tile   # Hopper's is 4
-        assert (t.dispatch_tile, t.l1_group_m) == (want, group), dtype
-        # the fused launch keeps the 8-token tickets, else its own 4
-        assert stages.fused_tuning(buf, tokens).dispatch_tile == (tile or 4), dtype
-        buf.destroy()
-    # fp4w: never grouped (its L1 is bound by the in-kernel weight decode)
-    cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=tokens, dtype="fp4w")
-    buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-    buf._launch_constants = dc_replace(stages._constants(buf), sms=132)
-    assert stages.Tuning.for_call(buf, tokens).l1_group_m == 1
-    buf.destroy()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -1095,14 +794,14 @@ def test_pick_slots_kernel_equals_source_slots(device, gen, T, K, E, case):
             idx[where] = bad[torch.randint(0, 4, (int(where.sum()),), generator=gen)]
     want_counts, want_slot = source_slots(idx, E)
     for dtype in (torch.int64, torch.int32):
-        counts, slot = stages.pick_slots(idx.to(dtype).to(device), E)
+        counts, slot = staged.pick_slots(idx.to(dtype).to(device), E)
         assert torch.equal(counts.cpu(), want_counts), (dtype, counts, want_counts)
         assert torch.equal(slot.cpu(), want_slot), dtype
 
 
 def test_run_staged_marks_each_stage_in_order(gen):
     # run_staged's on_stage hook (the EP bench's per-stage timer) fires once per stage, in
-    # stages.STAGES order, after that stage's launches, and changes nothing in the result
+    # staged.STAGES order, after that stage's launches, and changes nothing in the result
     cfg = small_config()
     R, Ts = 2, [13, 6]
     buf = SymmBuffer(cfg, num_ranks=R, device="cpu")
@@ -1111,9 +810,9 @@ def test_run_staged_marks_each_stage_in_order(gen):
     w13s, w2s = make_weights(cfg, R, generator=gen)
     y = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16)
     names = []
-    stages.run_staged(buf, xs, idxs, ws, w13s, w2s, y, on_stage=names.append)
+    staged.run_staged(buf, xs, idxs, ws, w13s, w2s, y, on_stage=names.append)
     buf.check()
-    assert names == list(stages.STAGES)
+    assert names == list(staged.STAGES)
     check_layer([y[r, :T] for r, T in enumerate(Ts)], xs, idxs, ws, w13s, w2s,
                 hidden=cfg.hidden)
 
@@ -1125,14 +824,14 @@ def test_run_staged_marks_each_stage_in_order(gen):
     (2, [24, 20], 6, True, {}),
     (3, [10, 0, 24], 4, False, {}),  # a rank with no tokens still serves its experts
     # L1 tickets in groups of 3 m-blocks (a wave's last group smaller)
-    (2, [24, 20], 6, True, dict(l1_group_m=3)),
+    (2, [24, 20], 6, True, dict(l1=dict(group_m=3))),
     # L2 tickets of 2 of the 4 column blocks (flat loop, one count per ticket), several waves
-    (2, [24, 20], 6, True, dict(fused_l2_group=2)),
+    (2, [24, 20], 6, True, dict(fused=dict(l2_group=2))),
     # L2 tickets of all 4 column blocks: an m-block completes with its first ticket; a rank
     # with no tokens
-    (3, [10, 0, 24], 4, False, dict(fused_l2_group=4)),
+    (3, [10, 0, 24], 4, False, dict(fused=dict(l2_group=4))),
     # L2 groups and L1 groups on three ranks, one of them without tokens
-    (3, [24, 0, 17], 5, True, dict(fused_l2_group=2, l1_group_m=2)),
+    (3, [24, 0, 17], 5, True, dict(fused=dict(l2_group=2), l1=dict(group_m=2))),
     # one rank (R=1: the launch's one set of weights and descriptors), several waves
     (1, [24], 6, True, {}),
 ])
@@ -1144,15 +843,15 @@ def test_fused_kernel_hands_out_tickets_in_schedule_order(device, gen, R, Ts, e_
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.1)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     # small waves on any device, so several form
-    tuning = stages.Tuning(wave_blocks=8, **extra)
-    trace = torch.full((stages.max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
+    tuning = Tuning(fused=Fused(wave_blocks=8)).with_(**extra)
+    trace = torch.full((max_tickets(buf, tuning), 8), -9, dtype=torch.int64, device=device)
     y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
-    stages.run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
+    run_fused(buf, xs, idxs, ws, w13s, w2s, y, tuning=tuning, trace=trace)
     buf.check()
     sched = build_schedule([i.cpu().tolist() for i in idxs], num_experts=cfg.num_experts,
-                           block_m=cfg.block_m, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks // tuning.fused_l2_group, num_sms=8,
-                           l1_group_m=tuning.l1_group_m)
+                           block_m=cfg.block_m, n_blocks_l1=cfg.intermediate // 64,
+                           n_blocks_l2=cfg.hidden // 64 // tuning.fused.l2_group, num_sms=8,
+                           l1_group_m=tuning.l1.group_m)
     want = []
     for t in sched.virtual_order():
         if t.phase == 0:
@@ -1181,9 +880,9 @@ def test_fused_with_a_missing_peer_raises(device, gen):
     # then hands out no work, and the stall is reported instead of a hang
     buf.view("epoch", 0).add_(1)
     buf.view("ready", 0).add_(1)
-    stages.layout(buf, waves=True)
+    staged.layout(buf, waves=True)
     y = torch.empty(2, 5, cfg.hidden, dtype=torch.bfloat16, device=device)
-    stages.fused(buf, w13s, w2s, y)
+    fused_launch(buf, w13s, w2s, y)
     with pytest.raises(KernelStallError, match="peer ready flag"):
         buf.check()
 
@@ -1193,14 +892,14 @@ def test_fused_tuning_resolves_once():
     # a chunked mode's dispatch task size survives a base tuning with dispatch_programs
     cfg = small_config()
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
-    base = stages.Tuning(dispatch_programs=5)
-    chunk = stages.fused_tuning(buf, 19, tuning=base, granularity=32)
-    assert (chunk.dispatch_tokens, chunk.chunk_blocks, chunk.dispatch_programs) == (32, 2, 0)
-    assert stages.fused_tuning(buf, 19, tuning=chunk, granularity=32) == chunk
-    assert stages.fused_tuning(buf, 19, tuning=chunk) == chunk
-    token = stages.fused_tuning(buf, 19, tuning=base)
-    assert token.dispatch_tokens == 8 and token.chunk_blocks == 1   # ceil(2 * 19 / 5)
-    assert stages.fused_tuning(buf, 19, tuning=token) == token
+    base = Tuning(fused=Fused(dispatch_programs=5))
+    chunk = fused_tuning(buf, 19, tuning=base, granularity=32)
+    assert (chunk.fused.dispatch_tokens, chunk.fused.chunk_blocks, chunk.fused.dispatch_programs) == (32, 2, 0)
+    assert fused_tuning(buf, 19, tuning=chunk, granularity=32) == chunk
+    assert fused_tuning(buf, 19, tuning=chunk) == chunk
+    token = fused_tuning(buf, 19, tuning=base)
+    assert token.fused.dispatch_tokens == 8 and token.fused.chunk_blocks == 1   # ceil(2 * 19 / 5)
+    assert fused_tuning(buf, 19, tuning=token) == token
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

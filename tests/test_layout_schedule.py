@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moestream import MoEConfig, bytes_per_rank, make_layout
-from moestream.layout import ALIGN
+from moestream.regions import ALIGN
 from moestream.schedule import Phase, build_schedule, expert_waves, wave_block_order, valid_m
 
 

@@ -17,7 +17,7 @@ WORLD = min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
 def _cfg(**kw):
     from moestream import MoEConfig
     base = dict(hidden=512, intermediate=256, num_experts=8, top_k=2, max_tokens_per_rank=96,
-                block_m=64, block_n=128, block_k=64)
+                block_m=64)
     return MoEConfig(**{**base, **kw})
 
 
@@ -79,7 +79,7 @@ def _worker_cases(rank, world, seed):
 
 def _worker_dispatch_exact(rank, world, seed):
     import torch.distributed as dist
-    from moestream import SymmBuffer, stages
+    from moestream import SymmBuffer, staged
     from moestream.routing import pool_layout, pool_sources, source_slots
     from moestream.testing import stamp_tokens
     dev = torch.device("cuda", rank)
@@ -102,19 +102,18 @@ def _worker_dispatch_exact(rank, world, seed):
     results = []
     # one token per ticket; then the GPU default's tiles of 4 with eager loads and rows in 4
     # parts of 128 words (as decode calls split dsv3's rows), each part its own peer load
-    for tuning in (stages.Tuning(), stages.Tuning(dispatch_tile=4, dispatch_eager=True,
-                                                  dispatch_parts=4, hidden_chunk=128)):
+    for tuning in (Tuning(), Tuning(copy=Copy(dispatch_tile=4, dispatch_eager=True, dispatch_parts=4, hidden_chunk=128))):
         buf.view("pool_x").fill_(float("nan"))
-        stages.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
-        stages.layout(buf)
-        stages.dispatch(buf, tuning=tuning)
+        staged.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        staged.layout(buf)
+        staged.dispatch(buf, tuning=tuning)
         torch.cuda.synchronize()
         buf.check()
         got_src = buf.view("pool_src").cpu()[rows].long()
         pool = buf.view("pool_x").cpu()
         bad_rows = sum(int(not torch.equal(pool[r], xs[si][ti]))
                        for r, si, ti in zip(rows.tolist(), s.tolist(), t.tolist()))
-        parts = stages.dispatch_parts(buf, tuning)
+        parts = staged.dispatch_parts(buf, tuning)
         arrived = int(buf.view("arrival").cpu().sum())
         results.append(dict(
             rank=rank, rows=len(rows), parts=parts, arrivals_ok=arrived == len(rows) * parts,
@@ -132,7 +131,7 @@ def _worker_many_calls(rank, world, seed, calls):
     dev = torch.device("cuda", rank)
     cfg_a = _cfg()
     cfg_b = _cfg(hidden=256, intermediate=128, num_experts=4 * world, top_k=3,
-                 max_tokens_per_rank=40, block_m=16, block_n=64)
+                 max_tokens_per_rank=40, block_m=16)
     layers = []
     for i, cfg in enumerate((cfg_a, cfg_b)):
         m = MegaMoE(cfg, group=dist.group.WORLD, device=dev)

@@ -42,7 +42,7 @@ def infinite_fabric() -> Fabric:
 
 def small_config(**kw) -> MoEConfig:
     base = dict(hidden=256, intermediate=256, num_experts=8, top_k=2, max_tokens_per_rank=64,
-                block_m=16, block_n=64)
+                block_m=16)
     return MoEConfig(**{**base, **kw})
 
 
@@ -171,15 +171,16 @@ def test_routing_generator():
 
 # ---- the plan follows moestream.schedule --------------------------------------------------------
 def test_blocks_and_ticket_order_match_the_reference_scheduler():
-    cfg = small_config(num_experts=8, top_k=3, block_m=16, block_n=64)
+    cfg = small_config(num_experts=8, top_k=3, block_m=16)
     R, T = 4, 40
     rt = make_routing(ranks=R, tokens_per_rank=T, num_experts=8, top_k=3, seed=5)
     rt[0, 3, 1] = -1
     cal = replace(CAL, num_sms=10)
     plan = build_plan(config=cfg, routing=rt, fabric=make_fabric("nvlink", calib=cal),
-                      granularity="token", comm_sms=2, calib=cal, gemm="triton")
-    sched = build_schedule(rt.tolist(), num_experts=8, block_m=16, n_blocks_l1=cfg.l1_n_blocks,
-                           n_blocks_l2=cfg.l2_n_blocks, num_sms=plan.compute_sms,
+                      granularity="token", comm_sms=2, calib=cal, gemm="triton", block_n=64)
+    sched = build_schedule(rt.tolist(), num_experts=8, block_m=16,
+                           n_blocks_l1=cfg.intermediate // 64, n_blocks_l2=cfg.hidden // 64,
+                           num_sms=plan.compute_sms,
                            l2_lag=0)   # the model's order: a wave's L2 after its own L1
     for d in range(R):
         mine = np.flatnonzero(plan.blk_rank == d)
@@ -269,13 +270,13 @@ def small_cases(draw):
     T = draw(st.integers(1, 40))
     cfg = MoEConfig(hidden=draw(st.sampled_from([128, 256])),
                     intermediate=draw(st.sampled_from([128, 256])), num_experts=E, top_k=K,
-                    max_tokens_per_rank=T, block_m=draw(st.sampled_from([16, 32])),
-                    block_n=draw(st.sampled_from([32, 64, 128])))
+                    max_tokens_per_rank=T, block_m=draw(st.sampled_from([16, 32])))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     rt = rng.integers(-1, E, size=(R, T, K)).astype(np.int32)   # repeats and drops allowed
     g = draw(st.sampled_from(["token", "expert", 1, 3, 16, 40]))
     return dict(cfg=cfg, rt=rt, g=g, link=draw(st.sampled_from(LINK_CHOICES)),
+                block_n=draw(st.sampled_from([32, 64, 128])),
                 comm=draw(st.integers(1, 3)), sms=draw(st.integers(5, 9)),
                 gemm=draw(st.sampled_from(["triton", "torch", "dense"])),
                 order=draw(st.sampled_from(["pool", "source"])))
@@ -286,7 +287,7 @@ def _plan(case, *, fabric=None, cal=None):
     return build_plan(config=case["cfg"], routing=case["rt"],
                       fabric=fabric or _fabric(case["link"], cal), granularity=case["g"],
                       comm_sms=case["comm"], calib=cal, gemm=case["gemm"],
-                      dispatch_order=case["order"])
+                      dispatch_order=case["order"], block_n=case.get("block_n", 128))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -405,7 +406,7 @@ def test_pure_compute_packed_sms_is_total_flops_over_the_dense_rate():
     rank's FLOPs over 4/num_sms of the dense rate."""
     R, T, K = 2, 64, 2
     cfg = MoEConfig(hidden=512, intermediate=512, num_experts=4, top_k=K,
-                    max_tokens_per_rank=T, block_m=16, block_n=128)
+                    max_tokens_per_rank=T, block_m=16)
     t = np.arange(T)
     rt = np.stack([np.stack([t % 4, (t + 1) % 4], axis=1)] * R).astype(np.int32)
     cal = replace(CAL, num_sms=5)
@@ -718,18 +719,17 @@ def test_fused_calibration_schema_and_fallback(tmp_path):
 
 
 def test_fused_task_sizes_follow_the_kernel_tuning():
-    from types import SimpleNamespace
-
-    from moestream import stages
-    assert (stages.CHUNK_TILE, stages.EXPERT_CHUNK_TOKENS) == (DISPATCH_TILE, EXPERT_CHUNK_TOKENS)
+    from moestream.tuning import CHUNK_TILE, EXPERT_CHUNK_TOKENS as CHUNK_TOKENS
+    from moestream.tuning import for_fused, gpu_defaults
+    assert (CHUNK_TILE, CHUNK_TOKENS) == (DISPATCH_TILE, EXPERT_CHUNK_TOKENS)
     qwen = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8192)
-    t = stages.Tuning.hopper(128, hidden=qwen.hidden, intermediate=qwen.intermediate)
-    t = t.for_fused(SimpleNamespace(config=qwen), sms=132)
-    assert (t.dispatch_tile, t.combine_tile, t.l2_block_n) == (DISPATCH_TILE, COMBINE_TILE, 128)
+    t = for_fused(gpu_defaults(qwen), qwen, sms=132)
+    assert (t.copy.dispatch_tile, t.fused.combine_tile, t.l2.block_n) == (DISPATCH_TILE,
+                                                                          COMBINE_TILE, 128)
     # token mode: dispatch_tokens = ceil(R * T / dispatch_programs), for the current default
     # and for the kernel the packaged calibration was traced on (dispatch_programs = 66)
     assert FUSED_CAL.fused.dispatch_programs_per_sm == 0.5
-    for dp in (t.dispatch_programs, 66):
+    for dp in (t.fused.dispatch_programs, 66):
         ft = fused_tuning(qwen, ranks=2, tokens_per_rank=2048, num_sms=132, granularity="token",
                           dispatch_programs_per_sm=dp / 132)
         assert ft.dispatch_tokens == -(-2 * 2048 // dp)
@@ -740,7 +740,8 @@ def test_fused_task_sizes_follow_the_kernel_tuning():
         assert (ft.dispatch_tokens, ft.chunk_blocks, ft.programs) == (want_dt, want_chunk, 132)
         if g != "token":
             k = t.with_granularity(g, 128)
-            assert (k.dispatch_tokens, min(k.chunk_blocks, 1 << 30)) == (want_dt, want_chunk)
+            assert (k.fused.dispatch_tokens, min(k.fused.chunk_blocks, 1 << 30)) == (
+                want_dt, want_chunk)
     # L1 column blocks narrow for decode (Tuning.for_call): qwen3 8 experts x 6 < 132
     assert fused_tuning(qwen, ranks=2, tokens_per_rank=1, num_sms=132,
                         granularity="token").l1_block_n == 32
@@ -889,8 +890,8 @@ def test_fused_model_is_monotone_in_link_bandwidth():
 
 # a case CI found: 3 picks, 5 programs, 2 early claims; 10x the bandwidth ends ~1.6x later
 _ANOMALY = dict(cfg=MoEConfig(hidden=256, intermediate=256, num_experts=2, top_k=1,
-                              max_tokens_per_rank=2, block_m=16, block_n=32, block_k=64),
-                rt=np.array([[[0], [-1]], [[0], [0]]], dtype=np.int32), g="token",
+                              max_tokens_per_rank=2, block_m=16),
+                block_n=32, rt=np.array([[[0], [-1]], [[0], [0]]], dtype=np.int32), g="token",
                 link="nvlink", comm=1, sms=5, gemm="triton", order="pool")
 
 

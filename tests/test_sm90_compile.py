@@ -56,7 +56,7 @@ def compiled_decode(compiled_rows) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def compiled_tail(compiled_rows) -> dict[tuple[str, str], dict]:
-    """The staged GEMMs with 32-row tail pieces (Tuning.l1_tail_rows / l2_tail_rows), bf16 and
+    """The staged GEMMs with 32-row tail pieces (Tuning.l1.tail_rows / l2_tail_rows), bf16 and
     fp8, by (name, dtype)."""
     return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 tail") else "bf16"): r
             for r in compiled_rows
@@ -120,14 +120,14 @@ def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
 
 
 def test_resident_programs_of_the_staged_gemms(compiled, compiled_fp8, compiled_rows):
-    """The staged GEMM grids are sized by what one SM holds at once (stages._programs):
+    """The staged GEMM grids are sized by what one SM holds at once (programs):
     the fp8 L1 (147 KB of shared memory), the bf16 L1 (196 KB), the bf16 L2 (128x256, 8 warps,
     ~210 KB) and the fp8 L2 at dsv3's K (128-row tile, 8 warps) run one program per SM; the
     bf16 L2 where hidden is no multiple of 256 (128x128, 4 warps, ~100 KB) and the fp8 L2 at a
     short K (64-row pieces, 4 warps, 82 KB) two, so that one's epilogue overlaps the other's
     MMAs. No L2 spills. A grid twice the SM count for a kernel one SM holds once runs
     as two passes one after another."""
-    from moestream.stages import resident_per_sm
+    from moestream.launch import resident_per_sm
 
     def fit(row):
         assert row["name"] != "l2_kernel" or row["stack_bytes"] == 0, row
@@ -149,7 +149,7 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
     # wide: one scale group, in 3 stages). The fp8 L1, at 255 registers, keeps 8 B of stack
     # outside its K loops (two values per block) since the GEMMs take their block count
     # and meta from the host's base address; the others none
-    from moestream.stages import resident_per_sm
+    from moestream.launch import resident_per_sm
     want_fit = {("l1_kernel", "bf16"): 2, ("l2_kernel", "bf16"): 2,
                 ("l1_kernel", "fp8"): 2, ("l2_kernel", "fp8"): 2}
     assert set(want_fit) <= set(compiled_decode), sorted(compiled_decode)
@@ -206,7 +206,7 @@ def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_f
     # the usual tile and the tail piece in one kernel: both warpgroup MMAs (twice the count),
     # no new spill, and at least as many programs per SM as the kernel without pieces (the
     # grid is sized from it)
-    from moestream.stages import resident_per_sm
+    from moestream.launch import resident_per_sm
     assert set(compiled_tail) == {("l1_kernel", "bf16"), ("l2_kernel", "bf16"),
                                   ("l1_kernel", "fp8"), ("l2_kernel", "fp8")}
 
@@ -234,7 +234,7 @@ def test_tail_pieces_keep_the_tiles_resident(compiled_tail, compiled, compiled_f
     (16, 0, 1, 32),          # the block limit
 ])
 def test_resident_per_sm_limits(regs, shared, warps, want):
-    from moestream.stages import resident_per_sm
+    from moestream.launch import resident_per_sm
     assert resident_per_sm(registers=regs, shared_bytes=shared, warps=warps) == want
 
 
@@ -255,7 +255,7 @@ def test_fp4w_layer_gemms(compiled_fp4w):
 
 
 def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows):
-    # the fp8 decode L1's split-K parts (Tuning.l1_split_k) in both load forms compile, with
+    # the fp8 decode L1's split-K parts (Tuning.l1.split_k) in both load forms compile, with
     # e4m3 warpgroup MMAs only and no spill in the K loops. The pointer form can fail to
     # compile for the GPU (if the bf16 part is compiled into the fp8 kernel) while the
     # interpreter runs it
@@ -268,7 +268,7 @@ def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows
 
 
 def test_one_dot_l1_launches_at_its_own_depth(compiled_rows):
-    # Tuning.l1_one_dot_stages reaches the one-MMA L1's launch (3 stages where for_call
+    # Tuning.l1.one_dot_stages reaches the one-MMA L1's launch (3 stages where for_call
     # picks them, from hidden 4096): the same K loop of 256-wide HGMMAs in less shared memory
     # than Tuning.hopper's 4 stages, no stack
     rows = {label(r): r for r in compiled_rows

@@ -1,4 +1,4 @@
-"""Split-K in the decode GEMMs (``Tuning.l1_split_k``, ``l2_split_k``): when a call's tiles of
+"""Split-K in the decode GEMMs (``Tuning.l1.split_k``, ``l2_split_k``): when a call's tiles of
 one GEMM are at most a quarter of the programs, S >= 4 programs share one tile's K loop, write
 fp32 partial sums to a scratch of the buffer, and the last part adds them in order and
 finishes the tile (L1: SwiGLU into pool_act; L2: the rows into their combine slots). The
@@ -19,7 +19,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moestream import MoEConfig, stages
+from moestream import MoEConfig
+from moestream.tuning import L1, L2, Tuning, for_fused, in_decode_pieces
+from conftest import hopper
 from moestream.buffer import SymmBuffer
 from moestream.kernels._common import tl, triton
 from moestream.kernels.gemm import split_count
@@ -43,14 +45,13 @@ def assert_parts_ran(buf: SymmBuffer, gemm: str) -> None:
     assert int(counts.abs().sum()) == 0, counts   # every block's count back at zero
 
 
-def split_in(gemm: str, tuning: stages.Tuning) -> stages.Tuning:
+def split_in(gemm: str, tuning: Tuning) -> Tuning:
     """A case written for the L1 (``l1_split_k``, programs for its tiles), moved to ``gemm``
     (l2, fused_l2): the L2 has twice the L1's column blocks in these configs (hidden 256 / 64
     against intermediate 128 / 64), so twice the programs give it the same S."""
     if gemm == "l1":
         return tuning
-    return replace(tuning, l1_split_k=1, l2_split_k=tuning.l1_split_k,
-                   programs=2 * tuning.programs)
+    return tuning.with_(l1=dict(split_k=1), l2=dict(split_k=tuning.l1.split_k), programs=2 * tuning.programs)
 
 
 def every_pick(cfg, gen):
@@ -71,29 +72,25 @@ def tail_routing(gen):
 CASES = [
     # T=1: one or two 1-row blocks x 2 column blocks, 16 programs: S = 4 (tiles * 4 <= 16);
     # descriptors built in the kernel
-    (dict(), [1], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4,
-                                programs=16), None),
+    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=16), None),
     # ... built on the host, S capped at 8 by the field (16 programs would allow more for
     # one tile)
-    (dict(), [1], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=8,
-                                programs=32, host_descriptors=True), None),
+    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=8), decode_rows=16, use_tma=True, programs=32, host_descriptors=True), None),
     # pointer loads, no waits: K = 256 in steps of 64 over 8 parts, so parts past the last
     # step get an empty K range (their sums are zeros)
-    (dict(), [2], stages.Tuning(decode_rows=16, use_tma=False, wait=False, l2_block_n=64,
-                                l1_split_k=16, programs=64), None),
+    (dict(), [2], Tuning(l2=L2(block_n=64), l1=L1(split_k=16), decode_rows=16, use_tma=False, wait=False, programs=64), None),
     # blocks of 5 and 14 rows split, blocks of 20 and 32 rows whole (part 0), in one call:
     # 5 m-blocks x 2 column blocks, 4 parts each on 48 programs
     (dict(max_tokens_per_rank=72), [70],
-     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4, programs=48),
+     Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=48),
      "tail"),
     # intermediate 256: K = 256 in steps of 64 in both GEMMs over S = 4 parts (the field's
     # cap), so every part has one step and a part left out of the sum shows in the output
     (dict(intermediate=256), [1],
-     stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4, programs=32),
+     Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=32),
      None),
     # two virtual ranks: each local rank's parts use their own slots and counts
-    (dict(), [1, 2], stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=4,
-                                   programs=32), None),
+    (dict(), [1, 2], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=32), None),
 ]
 
 
@@ -116,16 +113,14 @@ def test_split_k_computes_the_same_layer(device, gen, gemm, cfg_changes, Ts, tun
 FP8_CASES = [
     # T=1: 1-2 m-blocks x 2 column blocks of 128 on 16 programs, S = 4; hidden 256 is two
     # 128-column K steps (one scale block each), so parts 2 and 3 have no step (zero sums)
-    (dict(), [1], stages.Tuning(decode_rows=16, use_tma=True, l1_block_n=128, l1_split_k=4,
-                                programs=16), None),
+    (dict(), [1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=True, programs=16), None),
     # hidden 512: four steps, one per part (a part left out of the sum shows), pointer loads,
     # no waits, two virtual ranks (each its own slots and counts)
-    (dict(hidden=512), [2, 1], stages.Tuning(decode_rows=16, use_tma=False, l1_block_n=128,
-                                             l1_split_k=4, wait=False, programs=32), None),
+    (dict(hidden=512), [2, 1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=False, wait=False, programs=32), None),
     # blocks of 5 and 14 rows split, blocks of 20 and 32 rows whole (part 0, as unsplit), an
     # expert with no token, in one call: 5 m-blocks x 2 column blocks, 4 parts on 48 programs
     (dict(block_m=32, max_tokens_per_rank=72, num_experts=4), [70],
-     stages.Tuning(decode_rows=16, use_tma=True, l1_block_n=128, l1_split_k=4, programs=48),
+     Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=True, programs=48),
      "tail"),
 ]
 
@@ -150,10 +145,10 @@ def test_fused_l2_in_two_parts_where_k_is_long(device, gen, monkeypatch):
     # patched to 2 here, 16 programs for 4-8 L2 tiles (T = 1, one or two 1-row blocks x 4
     # column blocks) leave room for 2 parts only where there are 8 tiles, else 4; both
     # compute the layer, and the run must have split
-    monkeypatch.setattr(stages, "fused_min_split", lambda cfg: 2)
+    from moestream import fused
+    monkeypatch.setattr(fused, "fused_min_split", lambda cfg: 2)
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    tuning = stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l2_split_k=4,
-                           programs=16)
+    tuning = Tuning(l2=L2(block_n=64, split_k=4), decode_rows=16, use_tma=True, programs=16)
     buf = check_tuned_layer(cfg, [1], tuning, gen, device, routing=every_pick(cfg, gen),
                             impl="fused")
     assert_parts_ran(buf, "fused_l2")
@@ -184,8 +179,7 @@ def test_split_k_over_consecutive_calls(device, gen):
     # 2-8 L1 and 4-16 L2 tiles on 64 programs, so S is 4 or 8 by the call's block count):
     # the counts a call leaves at zero are what the next call's parts count from
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    tuning = stages.Tuning(decode_rows=16, use_tma=True, l2_block_n=64, l1_split_k=8,
-                           l2_split_k=8, programs=64)
+    tuning = Tuning(l2=L2(block_n=64, split_k=8), l1=L1(split_k=8), decode_rows=16, use_tma=True, programs=64)
     buf = SymmBuffer(cfg, num_ranks=1, device=device)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=device)
     for T in (1, 3, 2, 1):
@@ -197,22 +191,20 @@ def test_split_k_over_consecutive_calls(device, gen):
         assert_parts_ran(buf, "l2")
 
 
-@pytest.mark.parametrize("field", ["l1_split_k", "l2_split_k"])
-def test_split_k_must_be_a_power_of_two_up_to_16(field):
+@pytest.mark.parametrize("part", [L1, L2])
+def test_split_k_must_be_a_power_of_two_up_to_16(part):
     for bad in (0, 2, 3, 32, True, 4.0):   # 2: two parts measured slower than none
-        with pytest.raises(ValueError, match=f"{field} must be 1"):
-            stages.Tuning(**{field: bad})
+        with pytest.raises(ValueError, match=rf"{part.__name__}.split_k must be one of \(1, 4"):
+            part(split_k=bad)
 
 
 @pytest.mark.parametrize("shape", ["mixtral", "qwen3", "dsv3"])
 def test_fused_decode_runs_two_programs_per_sm(shape):
     # the fused launch's GPU defaults in decode pieces: two programs per SM at every shape,
-    # mixtral's few long L2 tiles included, since they split (stages.for_fused; one program
+    # mixtral's few long L2 tiles included, since they split (for_fused; one program
     # per SM there is slower); larger
     # calls keep one (their L1 tiles are 8-warp 128x256)
-    from types import SimpleNamespace
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=64)
-    base = stages.Tuning.hopper(cfg.block_m, hidden=cfg.hidden, intermediate=cfg.intermediate)
-    fake = SimpleNamespace(config=cfg, num_ranks=2)
-    assert base.decode(16, cfg).for_fused(fake, sms=132).fused_per_sm == 2
-    assert base.for_fused(fake, sms=132).fused_per_sm == 1
+    base = hopper(cfg.block_m, hidden=cfg.hidden, intermediate=cfg.intermediate)
+    assert for_fused(in_decode_pieces(base, 16, cfg), cfg, sms=132).fused.per_sm == 2
+    assert for_fused(base, cfg, sms=132).fused.per_sm == 1

@@ -7,7 +7,7 @@ import pytest
 
 from moestream import MoEConfig
 from moestream.buffer import SymmBuffer
-from moestream.stages import fused_tuning
+from moestream.fused import fused_tuning
 from moestream.trace import (collect_virtual, intervals_union, overlap_length, plot_timeline,
                              summarize)
 
@@ -128,7 +128,7 @@ def test_collected_rows_cover_every_ticket(device, granularity):
     # one row per ticket: every dispatch task, every GEMM block of the schedule, every token's
     # combine; chunked dispatch tasks cover C source tokens each
     cfg = MoEConfig(hidden=128, intermediate=128, num_experts=6, top_k=2,
-                    max_tokens_per_rank=24, block_m=16, block_n=64, block_k=64)
+                    max_tokens_per_rank=24, block_m=16)
     tokens = [9, 20]
     rows = collect_virtual(cfg, ranks=2, tokens=tokens, device=device, granularity=granularity,
                            seed=3)
@@ -136,7 +136,7 @@ def test_collected_rows_cover_every_ticket(device, granularity):
     # the task sizes this device resolves to (GPUs: multi-token dispatch and combine tasks)
     tuning = fused_tuning(SymmBuffer(cfg, num_ranks=2, device=device), max(tokens),
                           granularity=granularity)
-    dt, ct = tuning.dispatch_tokens, tuning.combine_tile
+    dt, ct = tuning.fused.dispatch_tokens, tuning.fused.combine_tile
     if granularity != "token":
         assert dt == granularity
     assert per[0] == 2 * sum(-(-T // dt) for T in tokens)   # each rank pulls from both sources
@@ -159,12 +159,12 @@ def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
     from moestream.cli import main
     from moestream.trace import run_trace
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="fused_per_sm must be an int >= 1"):
-        run_trace(shape="qwen3", tokens=8, tuning={"fused_per_sm": 0})
+    with pytest.raises(ValueError, match="Fused.per_sm must be an int >= 1"):
+        run_trace(shape="qwen3", tokens=8, tuning={"fused.per_sm": 0})
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
-        run_trace(shape="qwen3", tokens=8, tuning={"wave_blocks": 264})
-    assert main(["trace", "--tuning", "wave_blok=264", "--out", "unused.png"]) == 2
-    assert "unknown Tuning field 'wave_blok'" in capsys.readouterr().out.replace("\n", "")
+        run_trace(shape="qwen3", tokens=8, tuning={"fused.wave_blocks": 264})
+    assert main(["trace", "--tuning", "fused.wave_blok=264", "--out", "unused.png"]) == 2
+    assert "unknown Tuning field 'fused.wave_blok'" in capsys.readouterr().out.replace("\n", "")
 
 
 def test_trace_table_cells():

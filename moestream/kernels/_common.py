@@ -105,7 +105,7 @@ def peer_ptr(table, rank, byte_offset, DTYPE: tl.constexpr):
 def at(base, byte_offset, DTYPE: tl.constexpr):
     """Pointer to ``byte_offset`` inside the buffer at int64 address ``base``, which the
     compiler is told is 16-byte aligned: every caller passes a region start
-    (moestream.layout.ALIGN) plus a multiple of 16, and buffers start 16-byte aligned
+    (moestream.regions.ALIGN) plus a multiple of 16, and buffers start 16-byte aligned
     (``SymmBuffer`` asserts it). Without that an address made from an integer is only known
     to be 1-byte aligned, and every row copy from it moved one value per instruction."""
     return tl.multiple_of((base + byte_offset).to(tl.pointer_type(DTYPE)), 16)
@@ -123,7 +123,7 @@ def rank_base(table, rank, host_base, HOST_BASE: tl.constexpr):
     lives in the SM's few uniform registers, and with every region pointer of the decode L1
     there the compiler moved the TMA descriptors' addresses out of them, into more
     instructions per K step (sm_90 SASS). The whole-tile L1 does not take it at all
-    (``stages.l1``: slower with it)."""
+    (``staged.l1``: slower with it)."""
     if HOST_BASE:
         base = host_base.to(tl.int64)
     else:
@@ -167,7 +167,7 @@ def stalled(diag):
 
 @triton.jit
 def record_stall(diag, phase, rank, index, observed, expected, epoch, peer):
-    """Keep the first stall's details (diag layout: moestream.layout.DIAG_FIELDS)."""
+    """Keep the first stall's details (diag layout: moestream.regions.DIAG_FIELDS)."""
     if tl.atomic_cas(diag, 0, 1, sem="relaxed", scope="gpu") == 0:
         tl.store(diag + 1, phase)
         tl.store(diag + 2, rank)

@@ -77,7 +77,7 @@ def combine_kernel(
     """Waits once for every rank's L2 (``l2_ranks_done`` reaching R, released by the last
     program of each rank's L2), then sums each token's picks.
     STREAM: no wait at all: every rank's L2 ran before this launch in stream order on this
-    GPU (``stages.stream_ordered``; the L2 then signals nothing).
+    GPU (``launch.stream_ordered``; the L2 then signals nothing).
     HOST_BASE (one local rank): the rank's buffer address is ``host_base`` (``rank_base``),
     not a load of the table ahead of the epoch, and again after the wait (sm_90 SASS:
     table, epoch, token count, wait, table, picks, slots in a row); both parities' token

@@ -208,7 +208,7 @@ def layout_kernel(
     HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
     """Wait for every peer's inputs of this call (STREAM: not at all, every rank's publish
-    ran before this launch in stream order on this GPU, ``stages.stream_ordered``), then
+    ran before this launch in stream order on this GPU, ``launch.stream_ordered``), then
     store this rank's pool layout and, for every m-block, its expert and valid rows (so a GEMM block needs one load to find them).
     WAVES (the fused launch reads them): also the expert waves, consecutive experts until a
     wave's L1 blocks (NB1 column blocks per m-block) reach WAVE_BLOCKS, as

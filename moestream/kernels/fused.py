@@ -154,7 +154,7 @@ def fused_kernel(
     A wave's L2 tickets follow the next wave's L1 tickets, so its L1 blocks are done when
     they are claimed.
     HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
-    (``stages.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
+    (``launch.host_descriptors``; ``hd1b`` / ``hd2b``: the wide A tiles of decode pieces)
     instead of each program building them before its first ticket.
     SPLIT_K > 1 (bf16 decode pieces): when the launch's L2 tiles are at most 1 / MIN_SPLIT
     of the programs, each L2 tile is S2 >= MIN_SPLIT tickets in a row, one split-K part each

@@ -705,7 +705,7 @@ def l1_kernel(
     GROUP_M: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, CLAIM: tl.constexpr = False, HOST_BASE: tl.constexpr = False,
 ):
-    """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.layout) and
+    """FP8: e4m3 byte rows (values, then fp32 scales per 128 channels; moestream.regions) and
     e4m3 weights with 128x128 block scales (kernels/gemm_fp8.py); BK is 128 then.
     W4 > 0 (with FP8): MXFP4 weights (kernels/gemm_fp4.py; pointer loads), a block's valid
     rows in pieces of W4 rows.
@@ -721,7 +721,7 @@ def l1_kernel(
     ONE_DOT (bf16 whole tiles by descriptor): gate and up as one MMA of 2 * BN columns per K
     step (``l1_rows``).
     HOST_DESC (with USE_TMA, one local rank): ``ad0`` (and for decode pieces ``ad1``) and
-    ``wd`` are the descriptors this kernel would build (``stages.host_descriptors``), passed
+    ``wd`` are the descriptors this kernel would build (``launch.host_descriptors``), passed
     as kernel parameters: no descriptor is written and fenced in global memory first.
     SPLIT_K > 1 (bf16 or fp8 decode pieces, no tail pieces): when the call's tiles are at
     most a quarter of the programs, S >= 4 programs share each tile's K loop (``split_count``,
@@ -730,7 +730,7 @@ def l1_kernel(
     from a counter (``next_tickets``) instead of taking every nprog-th: a program held up by
     a costly block (a hot expert's block of several decode pieces) then takes fewer of the
     rest. A launch of at most two tickets per program claims none (``claiming``).
-    HOST_BASE (one local rank; ``stages.l1`` sets it in decode pieces only): ``host_base``
+    HOST_BASE (one local rank; ``staged.l1`` sets it in decode pieces only): ``host_base``
     is this rank's buffer address (``rank_base``), so the block count and the first meta
     load at once, not after a load of the table (the other regions' pointers still come
     from the table: see ``rank_base``)."""
@@ -779,7 +779,7 @@ def l1_kernel(
                     ok = wait_at_least(arrival + mb, (meta_s & 511) * PARTS, diag, max_spins,
                                        timeout_ns, 2, rank, mb, epoch, -1, SCOPE="gpu",
                                        USE_TIMER=USE_TIMER)
-                # this local rank's slots: [local ranks, programs, ...] (stages.l1)
+                # this local rank's slots: [local ranks, programs, ...] (staged.l1)
                 sums = split_sums + (lr * nprog).to(tl.int64) * (2 * BN * DM)
                 # FP8 decides at compile time (``ok and FP8`` would compile the bf16 part into
                 # fp8 kernels too, which fails for pointer loads)
@@ -1133,7 +1133,7 @@ def l2_kernel(
     "sys", or "gpu" where every rank's buffer is on this GPU, ``SymmBuffer.one_device``; their
     addresses loaded at the start, not after the count); the staged combine waits for R there.
     STREAM: every rank's combine runs after this launch in stream order on this GPU
-    (``stages.stream_ordered``), so nothing is counted or released at all.
+    (``launch.stream_ordered``), so nothing is counted or released at all.
     DM > 0: decode pieces of DM rows (``l2_decode_block``; SPLIT_M 1);
     with TAIL only row pieces of at most DM valid rows (any SPLIT_M), fuller ones as usual.
     SPLIT_K > 1 (bf16 decode pieces, no tail pieces): as ``l1_kernel``'s, S >= 4 programs
@@ -1196,7 +1196,7 @@ def l2_kernel(
                                        rank, mb, epoch, -1, SCOPE="gpu",
                                        USE_TIMER=USE_TIMER)
                 if ok:
-                    # this local rank's slots: [local ranks, programs, ...] (stages.l2)
+                    # this local rank's slots: [local ranks, programs, ...] (staged.l2)
                     l2_split_part(tile, pid % S, S, mb, nb_s, NB, meta_s, table, l2_done,
                                   pool_act, pool_src, w2, a_desc, w_desc,
                                   split_sums + (lr * nprog).to(tl.int64) * (BN * DM),

@@ -13,7 +13,7 @@ Legend (formats: moestream/quant.py, docs/quantization.md; P = blocks * BM):
                                   XS_STRIDE (fp32 elements). The strides are explicit because in
                                   the layer one byte row holds both: values at bytes [0, H),
                                   scales at bytes [H, H + 4*H/128)
-    block_meta [P/BM] int32       per block: expert * 512 + valid_m (moestream.layout's
+    block_meta [P/BM] int32       per block: expert * 512 + valid_m (moestream.regions's
                                   encoding), valid_m in [0, BM]; any number of blocks per expert
     w13 [E, 2I, H/2] uint8        MXFP4 e2m1 codes, gate rows 0..I-1, up rows I..2I-1; element
                                   2j in the low nibble of byte j, 2j+1 in the high nibble

@@ -8,7 +8,7 @@ Legend (formats: moestream/quant.py, docs/quantization.md):
     pool_x_q [P, H] fp8 e4m3      rows of the pool, P = blocks * BM; block m holds rows
                                   m*BM .. m*BM+BM-1, of which the first valid_m are real
     pool_x_scale [P, H/128] fp32  per row per 128 channels: x ~= q * scale
-    block_meta [P/BM] int32       per block: expert * 512 + valid_m (moestream.layout's
+    block_meta [P/BM] int32       per block: expert * 512 + valid_m (moestream.regions's
                                   encoding; ``fp8.pack_block_meta``), valid_m in [0, BM]; an expert
                                   may own any number of blocks (zero included), in any order
     w13_q [E, 2I, H] fp8          gate rows 0..I-1, up rows I..2I-1

@@ -76,13 +76,13 @@ from .plan import (Granularity, check_routing, granularity_label, parse_granular
 __all__ = ["FusedResult", "FusedPlan", "simulate_fused", "fused_tuning", "FusedTuning",
            "DISPATCH_TILE", "COMBINE_TILE", "EXPERT_CHUNK_TOKENS", "PHASE_NAMES"]
 
-# kernel constants (moestream.stages: CHUNK_TILE, EXPERT_CHUNK_TOKENS, Tuning.for_fused)
+# kernel constants (moestream.tuning: CHUNK_TILE, EXPERT_CHUNK_TOKENS, policy.for_fused)
 DISPATCH_TILE = 4         # tokens a dispatch task moves at once (arrivals released per tile)
 COMBINE_TILE = 4          # tokens per combine task
 EXPERT_CHUNK_TOKENS = 256  # dispatch task size of the "expert" mode
-L1_BLOCK_N = 128          # Tuning.hopper l1_block_n, narrowed by Tuning.for_call
+L1_BLOCK_N = 128          # tuning.gpu_defaults' L1 block_n, narrowed by tuning.select
 L1_BLOCK_N_MIN = 32
-L2_BLOCK_N = 128          # Tuning.for_fused l2_block_n (hidden % 128 == 0)
+L2_BLOCK_N = 128          # tuning.for_fused's L2 block_n (hidden % 128 == 0)
 
 PHASE_NAMES = ("dispatch", "L1", "L2", "combine")
 DISPATCH, L1, L2, COMBINE = range(4)
@@ -113,16 +113,16 @@ def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms
     also runs decode-sized calls in decode pieces, two programs per SM where the L2 has the
     blocks, and splits small calls' combine tasks into column parts; decode calls run in one
     expert wave with one-token dispatch tiles, and large calls dispatch in tiles of 8 tokens
-    (``stages.fused_default``); bf16 L2 tickets hold several column blocks
-    (``stages.fused_l2_group_for``), and a wave's L2 tickets follow the next wave's L1.
+    (``tuning.select``); bf16 L2 tickets hold several column blocks
+    (``tuning.fused_l2_group_for``), and a wave's L2 tickets follow the next wave's L1.
     This model does none of that (its order is ``schedule.build_schedule``'s ``l2_lag`` 0)."""
     R, T = ranks, tokens_per_rank
     E_loc = config.num_experts // R
     touched = min(E_loc, max(1, T * config.top_k))
-    bn1 = L1_BLOCK_N if config.intermediate % L1_BLOCK_N == 0 else config.block_n
+    bn1 = L1_BLOCK_N   # hidden and intermediate are multiples of 128 (MoEConfig)
     while bn1 > L1_BLOCK_N_MIN and touched * (config.intermediate // bn1) < num_sms:
         bn1 //= 2
-    bn2 = L2_BLOCK_N if config.hidden % L2_BLOCK_N == 0 else config.block_n
+    bn2 = L2_BLOCK_N
     if granularity == "token":
         dp = max(1, int(round(num_sms * dispatch_programs_per_sm)))
         dt = max(1, -(-R * T // dp))

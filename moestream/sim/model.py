@@ -26,7 +26,8 @@ from .calib import Calibration
 from .engine import Timeline, run_plan, union_length
 from .gemm import schedule_gemm
 from .links import CLASS_NAMES, LOCAL, Fabric, make_fabric
-from .plan import Granularity, Plan, build_plan, granularity_label, make_routing, parse_granularity
+from .plan import (BLOCK_N, Granularity, Plan, build_plan, granularity_label, make_routing,
+                   parse_granularity)
 
 __all__ = ["simulate", "SimResult", "compare", "Comparison", "resolve_config", "EXECUTIONS"]
 
@@ -157,12 +158,12 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
              routing: str | np.ndarray = "uniform", skew: float = 0.3, seed: int = 0,
              dispatch_order: str = "pool", gpus_per_node: int = 8,
              execution: str = "stream", family: str = "graph",
-             programs: int | None = None) -> SimResult:
+             programs: int | None = None, block_n: int = BLOCK_N) -> SimResult:
     """Simulate one MoE layer call on ``ranks`` ranks.
 
     Args:
         shape / config: a benchmark shape name (``moestream.config.SHAPES``) or a MoEConfig
-            (its block_m / block_n set the GEMM blocks).
+            (its block_m sets the GEMM blocks' rows).
         ranks: expert-parallel ranks R (num_experts must divide by it).
         tokens_per_rank: tokens T on every rank (default with config=: its max_tokens_per_rank).
         link: a kind of ``moestream.sim.links.LINK_KINDS`` or a Fabric.
@@ -181,6 +182,7 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
             ``comm_sms``, ``gemm`` and ``dispatch_order`` do not apply).
         family: fused execution only: the per-call fixed cost added (``"graph"``, ``"none"``).
         programs: fused execution only: programs per rank (default one per SM).
+        block_n: stream execution: the GEMM blocks' output columns (``plan.build_plan``).
     """
     calib = Calibration.load() if calib is None else calib
     cfg, T = resolve_config(shape=shape, config=config, tokens_per_rank=tokens_per_rank)
@@ -197,7 +199,7 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
                               calib=calib, family=family, programs=programs, shape=shape,
                               routing_name=routing_name)
     plan = build_plan(config=cfg, routing=arr, fabric=fabric, granularity=g, comm_sms=comm_sms,
-                      calib=calib, gemm=gemm, dispatch_order=dispatch_order)
+                      calib=calib, gemm=gemm, dispatch_order=dispatch_order, block_n=block_n)
     tl, _ = run_plan(plan)
     return _result(plan, tl, shape=shape, routing=routing_name)
 

@@ -38,6 +38,7 @@ __all__ = ["Granularity", "parse_granularity", "granularity_label", "make_routin
 
 Granularity = Union[Literal["token", "expert"], int]
 L1, L2 = 1, 2
+BLOCK_N = 128   # GEMM output columns per block: the GPU tiles (tuning.gpu_defaults)
 
 
 def parse_granularity(g: object) -> Granularity:
@@ -281,9 +282,15 @@ def check_routing(routing, cfg: MoEConfig) -> np.ndarray:
 
 def build_plan(*, config: MoEConfig, routing: np.ndarray, fabric: Fabric,
                granularity: Granularity, comm_sms: int, calib: Calibration, gemm: str,
-               dispatch_order: str = "pool") -> Plan:
-    """The plan of one call. ``routing`` is [R, T, K] global expert ids, -1 for no pick."""
+               dispatch_order: str = "pool", block_n: int = BLOCK_N) -> Plan:
+    """The plan of one call. ``routing`` is [R, T, K] global expert ids, -1 for no pick;
+    ``block_n``: the GEMMs' output columns per block (a power of two dividing hidden and
+    intermediate)."""
     cfg = config
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 \
+            or block_n & (block_n - 1) or cfg.hidden % block_n or cfg.intermediate % block_n:
+        raise ValueError(f"block_n must be a power of two >= 16 dividing hidden and "
+                         f"intermediate, got {block_n!r}")
     routing = check_routing(routing, cfg)
     R, T, K = routing.shape
     E, E_loc, BM = cfg.num_experts, cfg.num_experts // R, cfg.block_m
@@ -383,11 +390,11 @@ def build_plan(*, config: MoEConfig, routing: np.ndarray, fabric: Fabric,
 
     # ---- GEMM blocks: durations on one SM and each rank's ticket order ---------------------
     per_sm = calib.gemm_tflops(count[blk_expert], provider=gemm) * 1e6 / num_sms  # FLOP/µs
-    bn = cfg.block_n
+    bn = block_n
     with np.errstate(divide="ignore", invalid="ignore"):
         d_l1 = np.where(np.isinf(per_sm), 0.0, 2.0 * blk_valid * (2 * bn) * H / per_sm)
         d_l2 = np.where(np.isinf(per_sm), 0.0, 2.0 * blk_valid * bn * I / per_sm)
-    n_l1, n_l2 = cfg.l1_n_blocks, cfg.l2_n_blocks
+    n_l1, n_l2 = I // bn, H // bn
     seqs = []
     rank_block0 = expert_block0[np.arange(R) * E_loc] if B else np.zeros(R, dtype=np.int64)
     for d in range(R):
