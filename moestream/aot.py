@@ -252,7 +252,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = f" {name}"
                 run_fused(*args, tuning=tuning.with_dotted(fields))
             if ranks == 1:
-                label[0] = " tail"   # tail pieces in both GEMMs (Tuning.for_call's mid sizes)
+                label[0] = " tail"   # tail pieces in both GEMMs (tuning.select's mid sizes)
                 run_staged(*args, tuning=tuning.with_(l1=dict(tail_rows=32),
                                                       l2=dict(tail_rows=32)))
                 label[0] = " grouped"   # L1 tickets in groups of m-blocks (mixtral-sized I)
@@ -262,7 +262,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 run_staged(*args, tuning=narrow.with_(use_tma=True))
                 label[0] = " one dot"   # the L1's gate and up as one MMA (large calls)
                 run_staged(*args, tuning=tuning.with_(l1=dict(one_dot=True)))
-                label[0] = " one dot s3"   # ... in 3 stages, as for_call picks from hidden 4096
+                label[0] = " one dot s3"   # ... in 3 stages, as select picks from hidden 4096
                 run_staged(*args, tuning=tuning.with_(l1=dict(
                     one_dot=True, one_dot_stages=ONE_DOT_L1_STAGES)))
                 # the staged GEMMs as a CUDA graph capture launches them: the descriptors
@@ -281,7 +281,7 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
                 label[0] = " fused decode host"
                 run_fused(*args, tuning=for_fused(in_decode_pieces(tuning, 16, cfg), cfg,
                                                   sms=132).with_(host_descriptors=True))
-            label[0] = " decode"   # decode pieces, as Tuning.for_call picks them for 1 token
+            label[0] = " decode"   # decode pieces, as select picks them for 1 token
             run_staged(*args, tuning=in_decode_pieces(tuning, 16, cfg))
             label[0] = " fused decode"   # ... and the fused launch's
             run_fused(*args, tuning=for_fused(in_decode_pieces(tuning, 16, cfg), cfg, sms=132))

@@ -42,7 +42,6 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     (see kernels/fused.py)."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     if cfg.dtype == "fp4w":
         raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only (impl='staged')")
     bn1, bk1 = tuning.l1_tile(cfg)
@@ -80,12 +79,7 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
         buffer.table, buffer.rank0, nloc, w13_tab, w2_tab, w13s_tab, w2s_tab,
         y3, y3.stride(0), y3.stride(1), trace if trace is not None else y3,
         buffer.max_spins, buffer.timeout_ns,
-        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_src_tokens"],
-        off["off_src_row"], off["off_block_start"], off["off_block_meta"], off["off_wave_mb"],
-        off["off_num_waves"], off["off_arrival"], off["off_l1_done"], off["off_l2_done"],
-        off["off_tickets"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
-        off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
-        off["off_pool_act"], off["off_combine_y"], off["off_combine_flag"],
+        c.offs,
         cfg.max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.num_experts, c.R, c.E_LOC,
         c.P, c.row_words, cfg.token_bytes, cfg.act_bytes, tuning.fused.dispatch_tokens,
         tuning.fused.chunk_blocks, tuning.fused.combine_parts, *descs1, *descs2, sums, counts)

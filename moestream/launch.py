@@ -3,6 +3,7 @@ tuning policy sees, program counts, launch options, tensor descriptors built on 
 split-K scratch, and when stream order stands in for a signal."""
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,18 +12,23 @@ import torch
 from .buffer import SymmBuffer
 from .config import cdiv
 from .kernels._common import INTERPRET, next_pow2, triton
+from .regions import REGION_NAMES
 from .tuning import Device, Tuning, select
 
-__all__ = ["Constants", "constants", "device_of", "tuning_for", "tma", "programs",
+__all__ = ["Constants", "Offsets", "constants", "device_of", "tuning_for", "tma", "programs",
            "resident_per_sm", "launch_kw", "host_descriptors", "a_rows", "split_scratch",
            "weight_tables", "ensure_allocator", "stream_ordered", "wave_blocks",
            "row_chunk", "row_chunks"]
+
+# Every region's byte offset (and the reset span's), one kernel argument: offs.pool_x, ...
+Offsets = namedtuple("Offsets", REGION_NAMES + ("reset",))
+
 
 @dataclass(frozen=True)
 class Constants:
     """Per-buffer launch arguments, computed once (the forward path stays light on Python)."""
 
-    off: dict           # kernel arguments off_<region>: byte offsets (SymmBuffer.offsets)
+    offs: Offsets
     R: int
     E_LOC: int
     R_PAD: int
@@ -41,7 +47,8 @@ def constants(buffer: SymmBuffer) -> Constants:
         cfg = buffer.config
         R = buffer.num_ranks
         e_loc = cfg.experts_per_rank(R)
-        c = Constants(off=buffer.offsets(), R=R, E_LOC=e_loc, R_PAD=next_pow2(R),
+        offs = Offsets(**{k.removeprefix("off_"): v for k, v in buffer.offsets().items()})
+        c = Constants(offs=offs, R=R, E_LOC=e_loc, R_PAD=next_pow2(R),
                       E_PAD=next_pow2(e_loc), K_PAD=next_pow2(cfg.top_k),
                       P=cfg.pool_capacity(R), reset_words=buffer.layout.reset_span[1] // 4,
                       row_words=cfg.token_bytes // 2, device=device_of(buffer.device))
@@ -201,7 +208,7 @@ def host_descriptors(buffer: SymmBuffer, tuning: Tuning, use_tma: bool, *, regio
 
 def a_rows(block_m: int, tile_rows: int, dm: int, second: int) -> tuple:
     """Rows of the A tiles a GEMM loads (``host_descriptors``' a_rows): whole tiles of
-    ``tile_rows``, or in decode pieces (dm > 0; ``kernels/gemm.decode_descriptors``) dm rows
+    ``tile_rows``, or in decode pieces (dm > 0; ``kernels/operands.decode_descriptors``) dm rows
     and the wide piece: ``second`` rows for tail pieces, else 32 or block_m if smaller."""
     if not dm:
         return (tile_rows,)

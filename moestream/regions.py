@@ -34,10 +34,18 @@ from math import prod
 
 from .config import MoEConfig, align_up
 
-__all__ = ["Region", "BufferLayout", "make_layout", "bytes_per_rank", "ALIGN", "DIAG_FIELDS"]
+__all__ = ["Region", "BufferLayout", "make_layout", "bytes_per_rank", "ALIGN", "DIAG_FIELDS",
+           "REGION_NAMES"]
 
 ALIGN = 256  # bytes; >= 128 keeps every region TMA- and vector-load aligned
 DTYPE_BYTES = {"int32": 4, "float32": 4, "bfloat16": 2, "uint8": 1}
+
+# every region, in buffer order (make_layout's)
+REGION_NAMES = ("epoch", "ready", "diag", "published", "num_tokens", "send_counts", "expert_count",
+                "block_start", "src_row", "src_tokens", "block_meta", "wave_mb", "num_waves",
+                "arrival", "l1_done", "l2_done", "tickets", "l2_programs", "gemm_claims",
+                "l2_ranks_done", "combine_flag", "x", "topk_idx", "topk_weights", "slot", "pool_x",
+                "pool_src", "pool_weight", "pool_act", "combine_y")
 
 # diag[i]: what a kernel that gave up waiting leaves behind (first stall wins).
 # bad_topk counts topk ids outside [-1, E) seen by the publish step (they are ignored).
@@ -150,6 +158,7 @@ def make_layout(config: MoEConfig, num_ranks: int) -> BufferLayout:
         r = Region(name, tuple(shape), dtype, offset, doc, reset, peer)
         regions[name] = r
         offset = r.end
+    assert tuple(regions) == REGION_NAMES
     return BufferLayout(config=config, num_ranks=num_ranks, regions=regions,
                         total_bytes=align_up(offset, ALIGN))
 

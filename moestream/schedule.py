@@ -175,7 +175,7 @@ def _wave_of(waves: Sequence[tuple[int, int]], expert: int) -> int:
 def wave_block_order(m_blocks: range, n_blocks: int, group_m: int = 1) -> list[tuple[int, int]]:
     """(m_block, n_block) of a wave's GEMM tickets in order: n fastest, or with ``group_m`` > 1
     in groups of that many m-blocks, m fastest within a group (the last group may be smaller;
-    ``kernels/gemm.grouped_tile``)."""
+    ``kernels/tickets.grouped_tile``)."""
     ms = list(m_blocks)
     return [(m, n) for g in range(0, len(ms), group_m) for n in range(n_blocks)
             for m in ms[g:g + group_m]]
@@ -192,7 +192,7 @@ def build_schedule(topk_idx: Sequence[Sequence[Sequence[int]]], *, num_experts: 
         block_m: pool block rows. n_blocks_l1 / n_blocks_l2: column blocks of L1 (I) and L2 (H).
         num_sms: programs that fit on the device at once (sizes the waves).
         l1_group_m: a wave's L1 tickets in groups of this many m-blocks (``wave_block_order``,
-            ``Tuning.l1_group_m``).
+            ``L1.group_m``).
         l2_lag: 1 (the order the fused launch runs): a wave's L2
             tickets follow the next wave's L1 tickets (the last wave's come after every L1
             ticket); 0: they follow its own L1 tickets.

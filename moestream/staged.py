@@ -18,7 +18,10 @@ from .buffer import SymmBuffer
 from .config import cdiv
 from .kernels import combine as _combine
 from .kernels import dispatch as _dispatch
-from .kernels import gemm as _gemm
+from .kernels import l1 as _l1
+from .kernels import l2 as _l2
+from .kernels import pool as _pool
+from .kernels import publish as _publish
 from .kernels._common import INTERPRET, next_pow2
 from .launch import (a_rows, constants, ensure_allocator, host_descriptors, launch_kw, programs,
                      row_chunk, row_chunks, split_scratch, stream_ordered, tma, tuning_for,
@@ -38,7 +41,7 @@ STAGES = ("publish", "layout", "dispatch", "l1", "l2", "combine")
 def pick_slots(topk_idx: torch.Tensor, num_experts: int, *,
                tuning: Tuning = Tuning()) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.source_slots`` (counts [E] int32, slot [T, K] int32) in one kernel launch
-    (``kernels/dispatch.source_slots_kernel``) instead of a dozen torch ops with a sort. The
+    (``kernels/publish.source_slots_kernel``) instead of a dozen torch ops with a sort. The
     publish launch runs the same numbering in programs of its own, straight into the buffer;
     this form serves tests and callers that want the slots as tensors. ``topk_idx`` must be
     contiguous."""
@@ -46,7 +49,7 @@ def pick_slots(topk_idx: torch.Tensor, num_experts: int, *,
     counts = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     slot = torch.empty(T, K, dtype=torch.int32, device=topk_idx.device)
     n = T * K
-    _dispatch.source_slots_kernel[(num_experts + 1,)](
+    _publish.source_slots_kernel[(num_experts + 1,)](
         topk_idx, slot, counts, n, num_experts, BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096),
         **launch_kw(tuning.copy.warps))
     return counts, slot
@@ -60,18 +63,14 @@ def publish(buffer: SymmBuffer, local: int, x: torch.Tensor, topk_idx: torch.Ten
     tensors, x rows with unit stride)."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     T = x.shape[0]
     BT = 8
     copy = max(cdiv(T, BT), cdiv(c.reset_words, 16384), 1)
     n = T * cfg.top_k
-    _dispatch.publish_kernel[(copy + cfg.num_experts + 1,)](
+    _publish.publish_kernel[(copy + cfg.num_experts + 1,)](
         buffer.table, buffer.global_rank(local), buffer.address(local), x, topk_idx, topk_weights,
         T, x.stride(0) if T else cfg.hidden, cfg.max_tokens_per_rank, cfg.hidden,
-        cfg.token_bytes, copy, off["off_epoch"], off["off_ready"], off["off_published"],
-        off["off_diag"], off["off_num_tokens"], off["off_send_counts"],
-        off["off_x"], off["off_topk_idx"], off["off_topk_weights"], off["off_slot"],
-        off["off_reset"], c.reset_words,
+        cfg.token_bytes, copy, c.offs, c.reset_words,
         E=cfg.num_experts, K=cfg.top_k, K_PAD=c.K_PAD, BT=BT,
         BH=min(next_pow2(cfg.hidden), 512), BZ=1024,
         BLOCK=min(max(next_pow2(max(n, 1)), 128), 4096), QUANT=cfg.fp8_tokens,
@@ -83,14 +82,10 @@ def layout(buffer: SymmBuffer, *, tuning: Tuning = Tuning(), waves: bool = False
     """Every local rank's pool layout of this call, after its peers' ready flags; ``waves``:
     also the expert waves (the fused launch walks them; the staged launches do not)."""
     c = constants(buffer)
-    off = c.off
     cfg = buffer.config
-    _dispatch.layout_kernel[(buffer.local_ranks,)](
+    _pool.layout_kernel[(buffer.local_ranks,)](
         buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, buffer.host_base or 0,
-        off["off_epoch"], off["off_ready"], off["off_diag"], off["off_send_counts"],
-        off["off_num_tokens"], off["off_expert_count"], off["off_block_start"],
-        off["off_src_row"], off["off_src_tokens"], off["off_block_meta"], off["off_wave_mb"],
-        off["off_num_waves"], c.R, c.E_LOC, cfg.block_m,
+        c.offs, c.R, c.E_LOC, cfg.block_m,
         cfg.intermediate // tuning.l1_tile(cfg)[0], wave_blocks(buffer, tuning),
         R_PAD=c.R_PAD, E_PAD=c.E_PAD, BLOCK_J=8, USE_TIMER=not INTERPRET, WAVES=waves,
         HOST_BASE=buffer.host_base is not None, STREAM=stream_ordered(buffer, tuning))
@@ -107,13 +102,10 @@ def dispatch(buffer: SymmBuffer, *, tuning: Tuning = Tuning()) -> None:
     """Every local rank pulls its experts' tokens from every source rank into its pool."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     grid = (programs(buffer, tuning, 4), buffer.local_ranks)
     _dispatch.dispatch_kernel[grid](
         buffer.table, buffer.rank0, buffer.host_base or 0,
-        off["off_epoch"], off["off_diag"], off["off_src_row"], off["off_src_tokens"],
-        off["off_arrival"], off["off_x"], off["off_topk_idx"], off["off_topk_weights"],
-        off["off_slot"], off["off_pool_x"], off["off_pool_src"], off["off_pool_weight"],
+        c.offs,
         cfg.max_tokens_per_rank, c.row_words, c.R, c.E_LOC, cfg.block_m, c.P,
         dispatch_parts(buffer, tuning), K=cfg.top_k, K_PAD=c.K_PAD, R_PAD=c.R_PAD,
         BH=row_chunk(c.row_words, tuning.copy.hidden_chunk), TT=tuning.copy.dispatch_tile,
@@ -126,7 +118,6 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     fp4w mode (packed, scales)."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     bn, bk = tuning.l1_tile(cfg)
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)
@@ -151,9 +142,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     host_base = buffer.host_base if dm and not tail else None
     args = (buffer.table, buffer.rank0, *weight_tables(buffer, w13s), host_base or 0,
             buffer.max_spins, buffer.timeout_ns,
-            off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
-            off["off_arrival"], off["off_l1_done"], off["off_pool_x"], off["off_pool_weight"],
-            off["off_pool_act"], off["off_gemm_claims"], H, I, E_LOC, c.P, cfg.token_bytes,
+            c.offs, c.offs.gemm_claims, H, I, E_LOC, c.P, cfg.token_bytes,
             cfg.act_bytes, dispatch_parts(buffer, tuning), *descs, sums, counts)
     kw = dict(BM=cfg.block_m, BN=bn, BK=bk, UPCAST=INTERPRET, USE_TMA=use_tma, WAIT=tuning.wait,
               USE_TIMER=not INTERPRET, FP8=fp8, DM=dm, W4=w4, TAIL=tail > 0, SIGNAL=tuning.wait,
@@ -161,9 +150,9 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
               CLAIM=tuning.gemm_claim, HOST_BASE=host_base is not None, **host_kw,
               **launch_kw(tuning.l1.warps, (one_dot and tuning.l1.one_dot_stages)
                           or tuning.l1.stages))
-    grid = (programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l1_kernel, args, kw),
+    grid = (programs(buffer, tuning, tuning.gemm_per_sm, _l1.l1_kernel, args, kw),
             buffer.local_ranks)
-    _gemm.l1_kernel[grid](*args, **kw)
+    _l1.l1_kernel[grid](*args, **kw)
 
 
 def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
@@ -171,7 +160,6 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     mode (packed, scales)."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     bn, bk = tuning.l2_tile(cfg)
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)
@@ -192,10 +180,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     sums, counts = split_scratch(buffer, tuning, "l2", split, (dm, bn))
     args = (buffer.table, buffer.rank0, *weight_tables(buffer, w2s), buffer.host_base or 0,
             buffer.max_spins, buffer.timeout_ns,
-            off["off_epoch"], off["off_diag"], off["off_block_start"], off["off_block_meta"],
-            off["off_l1_done"], off["off_l2_done"], off["off_pool_act"], off["off_pool_src"],
-            off["off_combine_y"], off["off_combine_flag"], off["off_l2_programs"],
-            off["off_l2_ranks_done"], off["off_gemm_claims"] + 16,   # the L2's row
+            c.offs, c.offs.gemm_claims + 16,   # the L2's claims row
             H, I, E_LOC, cfg.max_tokens_per_rank,
             I // tuning.l1_tile(cfg)[0], c.P, c.R, c.R_PAD, cfg.act_bytes, *descs, sums, counts)
     flat = tuning.l2.flat and not tuning.wait and not pieces
@@ -207,9 +192,9 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
               PEER_SCOPE=buffer.peer_scope,
               STREAM=stream_ordered(buffer, tuning), **host_kw,
               **launch_kw(tuning.l2.warps, tuning.l2.stages))
-    grid = (programs(buffer, tuning, tuning.gemm_per_sm, _gemm.l2_kernel, args, kw),
+    grid = (programs(buffer, tuning, tuning.gemm_per_sm, _l2.l2_kernel, args, kw),
             buffer.local_ranks)
-    _gemm.l2_kernel[grid](*args, **kw)
+    _l2.l2_kernel[grid](*args, **kw)
 
 
 def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -> None:
@@ -220,15 +205,13 @@ def combine(buffer: SymmBuffer, y: torch.Tensor, *, tuning: Tuning = Tuning()) -
     ``KernelStallError``)."""
     cfg = buffer.config
     c = constants(buffer)
-    off = c.off
     y3 = y if y.dim() == 3 else y.unsqueeze(0)
     assert y3.shape[0] == buffer.local_ranks and y3.stride(2) == 1
     grid = (programs(buffer, tuning, tuning.copy.combine_per_sm), buffer.local_ranks)
     _combine.combine_kernel[grid](
         buffer.table, buffer.rank0, buffer.max_spins, buffer.timeout_ns, buffer.host_base or 0,
         y3, y3.stride(0), y3.stride(1),
-        off["off_epoch"], off["off_diag"], off["off_num_tokens"], off["off_topk_idx"],
-        off["off_combine_y"], off["off_combine_flag"], off["off_l2_ranks_done"],
+        c.offs,
         cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, c.R,
         K=cfg.top_k, K_PAD=c.K_PAD,
         BH=min(next_pow2(cfg.hidden), tuning.copy.combine_chunk or tuning.copy.hidden_chunk),

@@ -63,10 +63,10 @@ class _Spy:
 @pytest.fixture
 def launches(monkeypatch) -> list:
     seen: list = []
-    from moestream.kernels import combine, dispatch, gemm
-    for module, names in ((gemm, ("l1_kernel", "l2_kernel")),
-                          (dispatch, ("publish_kernel", "layout_kernel", "dispatch_kernel")),
-                          (combine, ("combine_kernel",))):
+    from moestream.kernels import combine, dispatch, l1, l2, pool, publish
+    for module, names in ((l1, ("l1_kernel",)), (l2, ("l2_kernel",)),
+                          (publish, ("publish_kernel",)), (pool, ("layout_kernel",)),
+                          (dispatch, ("dispatch_kernel",)), (combine, ("combine_kernel",))):
         for name in names:
             monkeypatch.setattr(module, name, _Spy(getattr(module, name), seen))
     return seen

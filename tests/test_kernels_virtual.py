@@ -698,7 +698,7 @@ def test_tail_pieces_compute_the_same_layer(device, gen, tuning):
 # 3 / 0 / 20 picks per expert: expert 0 is hot (a 60-row block: two 32-row decode pieces,
 # the costly block a claiming launch balances), expert 2 gets none. A launch claims the
 # tickets past each program's first two (pid, pid + programs) and none when it has at most
-# two per program (kernels/gemm.py, ``claiming``).
+# two per program (kernels/tickets.py, ``claiming``).
 HOT_COUNTS = [60, 3, 0, 20]
 
 

@@ -24,7 +24,7 @@ from moestream.tuning import L1, L2, Tuning, for_fused, in_decode_pieces
 from conftest import hopper
 from moestream.buffer import SymmBuffer
 from moestream.kernels._common import tl, triton
-from moestream.kernels.gemm import split_count
+from moestream.kernels.tickets import split_count
 from moestream.layer import mega_moe_virtual
 from moestream.testing import make_routing, make_weights, routing_with_counts
 
@@ -129,7 +129,7 @@ FP8_CASES = [
 @pytest.mark.parametrize("cfg_changes, Ts, tuning, routing", FP8_CASES,
                          ids=["T1-empty-parts", "step-per-part-two-ranks", "mixed-blocks"])
 def test_fp8_l1_split_k_computes_the_same_layer(device, gen, cfg_changes, Ts, tuning, routing):
-    # the fp8 decode L1 split (``kernels/gemm.l1_fp8_split_part``): each part's steps scaled
+    # the fp8 decode L1 split (``kernels/l1.l1_fp8_split_part``): each part's steps scaled
     # by their own activation and weight scales, the last part's SwiGLU and re-quantization,
     # against the quantization-aware reference
     from test_fp8_layer import check_tuned_fp8_layer, fp8_config
@@ -163,7 +163,7 @@ def _split_counts(tiles_ptr, out_ptr, nprog, N: tl.constexpr, SPLIT_K: tl.conste
 
 @pytest.mark.parametrize("split_k, min_s", [(4, 4), (8, 4), (16, 4), (4, 2), (16, 2)])
 def test_split_count_is_the_largest_power_of_two_that_fits(split_k, min_s):
-    # the device's choice of S (kernels/gemm.split_count) against its rule written in
+    # the device's choice of S (kernels/tickets.split_count) against its rule written in
     # Python: the largest power of two <= split_k with tiles * S <= programs, 1 below min_s
     tiles = torch.arange(1, 129, dtype=torch.int32)
     out = torch.zeros_like(tiles)

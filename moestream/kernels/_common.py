@@ -51,7 +51,7 @@ __all__ = ["INTERPRET", "triton", "tl", "to_bf16", "launch_context", "peer_ptr",
            "PHASE_CODES", "next_pow2", "DECODE_STORE_EVICT"]
 
 # The L2-cache priority of what decode pieces store for the next launch: the L1's pool_act
-# rows (bf16: kernels/gemm.py ``l1_store``'s EVICT_LAST; fp8 values and scales: kernels/
+# rows (bf16: kernels/epilogue.py ``l1_store``'s EVICT_LAST; fp8 values and scales: kernels/
 # gemm_fp8.py ``l1_fp8_epilogue``'s; the L2 reads each row once per column block) and the
 # L2's combine slots (``l2_epilogue``'s EVICT_LAST; the combine reads them). They are few,
 # and stored at normal priority they were written back to HBM while the weights streamed

@@ -69,8 +69,8 @@ def combine_kernel(
     host_base,             # HOST_BASE: this rank's buffer address (else unused)
     y_ptr,                 # bf16 [local ranks, T, H] (y_rank_stride, y_stride elements)
     y_rank_stride, y_stride,
-    off_epoch, off_diag, off_num_tokens, off_topk_idx, off_combine_y, off_combine_flag,
-    off_l2_ranks_done, T_MAX, H, E, R,
+    offs,             # Offsets: every region's byte offset (launch.Offsets)
+    T_MAX, H, E, R,
     K: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     USE_TIMER: tl.constexpr, HOST_BASE: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
@@ -82,10 +82,10 @@ def combine_kernel(
     not a load of the table ahead of the epoch, and again after the wait (sm_90 SASS:
     table, epoch, token count, wait, table, picks, slots in a row); both parities' token
     counts load with the epoch."""
-    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, off_epoch, off_diag,
+    pid, nprog, lr, rank, epoch, diag = launch_context(table, rank0, offs.epoch, offs.diag,
                                                        host_base, HOST_BASE)
     here = rank_base(table, rank, host_base, HOST_BASE)
-    counts = tl.load(at(here, off_num_tokens, tl.int32) + tl.arange(0, 2))   # both parities
+    counts = tl.load(at(here, offs.num_tokens, tl.int32) + tl.arange(0, 2))   # both parities
     par64 = (epoch & 1).to(tl.int64)
     T = tl.sum(tl.where(tl.arange(0, 2) == par64, counts, 0), axis=0)
     y = y_ptr + lr.to(tl.int64) * y_rank_stride
@@ -93,11 +93,11 @@ def combine_kernel(
     ok = pid >= 0
     if not STREAM:
         if T > pid:
-            ok = wait_at_least(at(here, off_l2_ranks_done, tl.int32), R, diag,
+            ok = wait_at_least(at(here, offs.l2_ranks_done, tl.int32), R, diag,
                                max_spins, timeout_ns, 5, rank, 0, epoch, -1, SCOPE="sys",
                                USE_TIMER=USE_TIMER)
     while (t < T) & ok:
         ok = combine_tokens(here, rank, t, 1, par64, y, y_stride, diag, max_spins, timeout_ns,
-                            epoch, T_MAX, H, E, off_topk_idx, off_combine_y, off_combine_flag,
+                            epoch, T_MAX, H, E, offs.topk_idx, offs.combine_y, offs.combine_flag,
                             K, K_PAD, BH, 1, FIX_ROUNDING, USE_TIMER, False)
         t += nprog

@@ -19,11 +19,11 @@ cycle, however few of them are resident, and a sequential run (the interpreter) 
 The publish, signal and layout steps run before this launch (they are per-call setup: the
 pool layout needs every peer's counts).
 
-FP8 (constexpr): as the staged kernels' FP8 (gemm.py): byte rows of e4m3 values + fp32 scales
+FP8 (constexpr): as the staged kernels' FP8 (l1.py, l2.py): byte rows of e4m3 values + fp32 scales
 (dispatch copies ROW_W 16-bit words per row), fp8 weights with 128x128 block scales (second
 weight tables), kernels/gemm_fp8.py's block math, bf16 L2 rows and combine.
 
-Legend: as in dispatch.py, gemm.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
+Legend: as in dispatch.py, l1.py, l2.py and combine.py. Tickets: D = dispatch tasks, G = GEMM
 blocks (per local rank total m-blocks x (NB1 + T2); T2 = NB2 L2 tickets x S2 split-K parts),
 C = combine tasks.
 Trace (TRACE): int64 [tickets, 8] = phase, rank, a, b, c, SM, start ns, end ns, where
@@ -38,9 +38,11 @@ from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, rank_base, st
                       triton, wait_at_least)
 from .combine import combine_tokens
 from .dispatch import pull_tokens
-from .gemm import (expert_weights, l1_descriptors, l1_either_block, l1_tile_of, l2_descriptors,
-                   l2_either_block, l2_split_part, pool_piece_descriptors, signal_block_rows,
-                   split_count)
+from .epilogue import signal_block_rows
+from .l1 import l1_either_block
+from .l2 import l2_either_block, l2_split_part
+from .operands import expert_weights, l1_descriptors, l2_descriptors, pool_piece_descriptors
+from .tickets import l1_tile_of, split_count
 
 # the moestream.schedule.Phase values
 PHASE_DISPATCH = tl.constexpr(0)
@@ -120,10 +122,7 @@ def fused_kernel(
     y_ptr, y_rank_stride, y_stride,  # bf16 [NLOC, T, H]
     trace_ptr,                      # int64 [tickets, 8] (TRACE only)
     max_spins, timeout_ns,
-    off_epoch, off_diag, off_num_tokens, off_src_tokens, off_src_row, off_block_start,
-    off_block_meta, off_wave_mb, off_num_waves, off_arrival, off_l1_done, off_l2_done,
-    off_tickets, off_x, off_topk_idx, off_topk_weights, off_slot, off_pool_x, off_pool_src,
-    off_pool_weight, off_pool_act, off_combine_y, off_combine_flag,
+    offs,                           # Offsets: every region's byte offset (launch.Offsets)
     T_MAX, H, I, E, R: tl.constexpr, E_LOC, P,   # R constexpr: L2 stores unrolled per rank
     ROW_W, XB, AB,                  # 16-bit words per token row; FP8: bytes per pool_x/act row
     DT, CHUNK_MB,                   # source tokens per dispatch task; m-blocks per L1 chunk
@@ -143,14 +142,14 @@ def fused_kernel(
     HOST_DESC: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, MIN_SPLIT: tl.constexpr = 4,
 ):
     """GROUP_M1: a wave's L1 tickets walk GROUP_M1 of its m-blocks at a time, m fastest
-    within a group (``gemm.l1_tile_of``; ``Tuning.l1_group_m``), else n fastest.
+    within a group (``tickets.l1_tile_of``; ``L1.group_m``), else n fastest.
     DM > 0: both GEMMs in decode pieces of DM rows (the weights as the MMA row operand,
-    ``gemm.l1_decode_block`` / ``l2_decode_block``; ``Tuning.decode_rows``), each L2 block
+    ``l1.l1_decode_block`` / ``l2_decode_block``; ``Tuning.decode_rows``), each L2 block
     releasing its rows after its last piece.
     L2G > 1 (whole tiles only): an L2 ticket is L2G column blocks of one m-block, run as one
     flat (column block, K step) loop so that Triton's pipeliner loads the next block's first
     K steps during this block's epilogue; the m-block's completion is counted once per ticket
-    (``Tuning.fused_l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces.
+    (``Fused.l2_group``). EPI2: its tiles' epilogue in 1, 2 or 4 column pieces.
     A wave's L2 tickets follow the next wave's L1 tickets, so its L1 blocks are done when
     they are claimed.
     HOST_DESC (ONE_RANK, USE_TMA): the L1 and L2 descriptors come built by the host
@@ -158,17 +157,17 @@ def fused_kernel(
     instead of each program building them before its first ticket.
     SPLIT_K > 1 (bf16 decode pieces): when the launch's L2 tiles are at most 1 / MIN_SPLIT
     of the programs, each L2 tile is S2 >= MIN_SPLIT tickets in a row, one split-K part each
-    (``gemm.l2_split_part``: the part that counts last stores the rows and signals them; no
+    (``l2.l2_split_part``: the part that counts last stores the rows and signals them; no
     part waits for another)."""
     tl.static_assert(L2G == 1 or DM == 0, "L2 tickets of several column blocks: whole tiles")
     tl.static_assert(not HOST_DESC or (ONE_RANK and USE_TMA), "host descriptors: one rank")
     tl.static_assert(SPLIT_K == 1 or (DM > 0 and not FP8), "split-K: bf16 decode pieces")
-    _, nprog, _, rank_0, epoch, diag_0 = launch_context(table, rank0, off_epoch, off_diag)
+    _, nprog, _, rank_0, epoch, diag_0 = launch_context(table, rank0, offs.epoch, offs.diag)
     par64 = (epoch & 1).to(tl.int64)
     NB1 = I // BN1
     NB2 = H // BN2 // L2G   # L2 tiles per m-block
-    d_v, mb_v, c_v = _sections(table, rank0, NLOC, par64, DT, CT, CP, off_src_tokens,
-                               off_block_start, off_num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
+    d_v, mb_v, c_v = _sections(table, rank0, NLOC, par64, DT, CT, CP, offs.src_tokens,
+                               offs.block_start, offs.num_tokens, R, E_LOC, NLOC_PAD, R_PAD)
     S2 = nprog * 0 + 1   # tickets per L2 tile (split-K parts)
     if SPLIT_K > 1:
         S2 = split_count(tl.sum(mb_v, axis=0) * NB2, nprog, SPLIT_K, MIN_SPLIT)
@@ -179,7 +178,7 @@ def fused_kernel(
     total = D + G + tl.sum(c_v, axis=0)
     if stalled(diag_0):
         total = 0   # the layout step gave up: nothing of this call is valid
-    counter = peer_ptr(table, rank0, off_tickets, tl.int32)
+    counter = peer_ptr(table, rank0, offs.tickets, tl.int32)
     if ONE_RANK:   # one set of weights and descriptors for the whole launch
         w13_0, w13s_0 = expert_weights(w13_table, w13s_table, 0, FP8)
         w2_0, w2s_0 = expert_weights(w2_table, w2s_table, 0, FP8)
@@ -189,9 +188,9 @@ def fused_kernel(
             wd1_0 = hd1w
             wd2_0 = hd2w
         else:
-            a1_0, wd1_0 = _descriptors(table, rank_0, off_pool_x, w13_0, P, H, I, E_LOC, XB,
+            a1_0, wd1_0 = _descriptors(table, rank_0, offs.pool_x, w13_0, P, H, I, E_LOC, XB,
                                        BM, BN1, BK1, USE_TMA, FP8, DM, False)
-            a2_0, wd2_0 = _descriptors(table, rank_0, off_pool_act, w2_0, P, H, I, E_LOC, AB,
+            a2_0, wd2_0 = _descriptors(table, rank_0, offs.pool_act, w2_0, P, H, I, E_LOC, AB,
                                        BM, BN2, BK2, USE_TMA, FP8, DM, True)
     ticket = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     ok = ticket >= 0
@@ -223,14 +222,14 @@ def fused_kernel(
             lr, local = _locate(ticket, d_v)
             rank = rank0 + lr
             sv = tl.arange(0, R_PAD)
-            src_tok = tl.load(peer_ptr(table, rank, off_src_tokens, tl.int32) + sv,
+            src_tok = tl.load(peer_ptr(table, rank, offs.src_tokens, tl.int32) + sv,
                               mask=sv < R, other=0)
             s, j = _locate(local, (src_tok + DT - 1) // DT)
             t0 = j * DT
             pull_tokens(table, rank, s, t0, tl.minimum(DT, _pick(src_tok, s) - t0), par64,
-                        T_MAX, ROW_W, R, E_LOC, BM, P, off_x, off_topk_idx, off_topk_weights,
-                        off_slot, off_src_row, off_pool_x, off_pool_src, off_pool_weight,
-                        off_arrival, K, K_PAD, BH, TT, EAGER)
+                        T_MAX, ROW_W, R, E_LOC, BM, P, offs.x, offs.topk_idx, offs.topk_weights,
+                        offs.slot, offs.src_row, offs.pool_x, offs.pool_src, offs.pool_weight,
+                        offs.arrival, K, K_PAD, BH, TT, EAGER)
             nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
             phase = ticket * 0 + PHASE_DISPATCH
             a = s
@@ -238,10 +237,10 @@ def fused_kernel(
         elif ticket < D + G:
             lr, local = _locate(ticket - D, g_v)
             rank = rank0 + lr
-            diag = peer_ptr(table, rank, off_diag, tl.int32)
+            diag = peer_ptr(table, rank, offs.diag, tl.int32)
             ev = tl.arange(0, E_PAD)
-            n_waves = tl.load(peer_ptr(table, rank, off_num_waves, tl.int32))
-            wave_mb = peer_ptr(table, rank, off_wave_mb, tl.int32)
+            n_waves = tl.load(peer_ptr(table, rank, offs.num_waves, tl.int32))
+            wave_mb = peer_ptr(table, rank, offs.wave_mb, tl.int32)
             # segment s: wave s's L1 blocks, then wave s - 1's L2 blocks (segment 0: no L2,
             # segment n_waves: no L1); it starts at wave_mb[s] * NB1 + wave_mb[s - 1] * T2
             # (wave_mb[0] = 0). A wave's L2 follows the next wave's L1, so its L1 blocks are
@@ -255,7 +254,7 @@ def fused_kernel(
             l2_mb0 = tl.load(wave_mb + tl.maximum(w - 1, 0))
             n_mb = tl.load(wave_mb + tl.minimum(w + 1, n_waves)) - w0
             in_wave = local - w0 * NB1 - l2_mb0 * T2
-            block_meta = peer_ptr(table, rank, off_block_meta, tl.int32)
+            block_meta = peer_ptr(table, rank, offs.block_meta, tl.int32)
             if ONE_RANK:
                 w13, w13_s, w2, w2_s = w13_0, w13s_0, w2_0, w2s_0
             else:
@@ -269,11 +268,11 @@ def fused_kernel(
                 meta = tl.load(block_meta + mb)
                 # wait for every m-block of the block's chunk: CHUNK_MB consecutive m-blocks
                 # of its expert (1: just its own block, the token-granular mode)
-                block_start = peer_ptr(table, rank, off_block_start, tl.int32) + (meta >> 9)
+                block_start = peer_ptr(table, rank, offs.block_start, tl.int32) + (meta >> 9)
                 b0 = tl.load(block_start)
                 c0 = b0 + ((mb - b0) // CHUNK_MB) * CHUNK_MB
                 c1 = tl.minimum(c0 + CHUNK_MB, tl.load(block_start + 1))
-                arrival = peer_ptr(table, rank, off_arrival, tl.int32)
+                arrival = peer_ptr(table, rank, offs.arrival, tl.int32)
                 while (c0 < c1) & ok:
                     ok = wait_at_least(arrival + c0, tl.load(block_meta + c0) & 511, diag,
                                        max_spins, timeout_ns, 2, rank, c0, epoch, -1,
@@ -283,14 +282,14 @@ def fused_kernel(
                     if ONE_RANK:
                         a1, wd1 = a1_0, wd1_0
                     else:
-                        a1, wd1 = _descriptors(table, rank, off_pool_x, w13, P, H, I, E_LOC,
+                        a1, wd1 = _descriptors(table, rank, offs.pool_x, w13, P, H, I, E_LOC,
                                                XB, BM, BN1, BK1, USE_TMA, FP8, DM, False)
                     l1_either_block(mb, nb, meta, table, rank,
-                                    peer_ptr(table, rank, off_l1_done, tl.int32),
-                                    peer_ptr(table, rank, off_pool_x, tl.bfloat16),
-                                    peer_ptr(table, rank, off_pool_weight, tl.float32),
-                                    peer_ptr(table, rank, off_pool_act, tl.bfloat16), w13, w13_s,
-                                    a1, wd1, off_pool_x, off_pool_weight, off_pool_act, H, I, XB,
+                                    peer_ptr(table, rank, offs.l1_done, tl.int32),
+                                    peer_ptr(table, rank, offs.pool_x, tl.bfloat16),
+                                    peer_ptr(table, rank, offs.pool_weight, tl.float32),
+                                    peer_ptr(table, rank, offs.pool_act, tl.bfloat16), w13, w13_s,
+                                    a1, wd1, offs.pool_x, offs.pool_weight, offs.pool_act, H, I, XB,
                                     AB, BM, BN1, BK1, UPCAST, USE_TMA, FP8, DM)
                 phase = ticket * 0 + PHASE_L1
             else:
@@ -298,41 +297,41 @@ def fused_kernel(
                 mb = l2_mb0 + in_l2 // T2
                 nb = in_l2 % T2 // S2   # split-K: the tile's S2 parts in a row
                 meta = tl.load(block_meta + mb)
-                ok = wait_at_least(peer_ptr(table, rank, off_l1_done, tl.int32) + mb, NB1, diag,
+                ok = wait_at_least(peer_ptr(table, rank, offs.l1_done, tl.int32) + mb, NB1, diag,
                                    max_spins, timeout_ns, 3, rank, mb, epoch, -1, SCOPE="gpu",
                                    USE_TIMER=USE_TIMER)
                 if ok:   # each ticket releases its rows' combine flags (SIGNAL_ROWS)
                     if ONE_RANK:
                         a2, wd2 = a2_0, wd2_0
                     else:
-                        a2, wd2 = _descriptors(table, rank, off_pool_act, w2, P, H, I, E_LOC,
+                        a2, wd2 = _descriptors(table, rank, offs.pool_act, w2, P, H, I, E_LOC,
                                                AB, BM, BN2, BK2, USE_TMA, FP8, DM, True)
-                    l2_done = peer_ptr(table, rank, off_l2_done, tl.int32)
-                    pool_act = peer_ptr(table, rank, off_pool_act, tl.bfloat16)
-                    pool_src = peer_ptr(table, rank, off_pool_src, tl.int32)
+                    l2_done = peer_ptr(table, rank, offs.l2_done, tl.int32)
+                    pool_act = peer_ptr(table, rank, offs.pool_act, tl.bfloat16)
+                    pool_src = peer_ptr(table, rank, offs.pool_src, tl.int32)
                     # (SPLIT_K first: a constexpr False leaves the branch uncompiled, where
                     # a2 is no pair of decode descriptors)
                     if SPLIT_K > 1 and S2 > 1:   # the rank's slots: tile mb * NB2 + nb
                         l2_split_part(mb * NB2 + nb, in_l2 % S2, S2, mb, nb, NB2, meta, table,
                                       l2_done, pool_act, pool_src, w2, a2, wd2,
                                       split_sums + (lr * nprog).to(tl.int64) * (BN2 * DM),
-                                      split_counts + lr * nprog, off_combine_y,
-                                      off_combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
+                                      split_counts + lr * nprog, offs.combine_y,
+                                      offs.combine_flag, H, I, T_MAX, R, K, BM, BN2, BK2, DM,
                                       UPCAST, USE_TMA, EPI2, True)
                     elif L2G == 1:
                         l2_either_block(mb, nb, NB2, meta, table, rank, l2_done, pool_act,
-                                        pool_src, w2, w2_s, a2, wd2, off_pool_act, off_combine_y,
-                                        off_combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
+                                        pool_src, w2, w2_s, a2, wd2, offs.pool_act, offs.combine_y,
+                                        offs.combine_flag, H, I, AB, T_MAX, R, K, BM, BN2, BK2,
                                         UPCAST, USE_TMA, True, EPI2, FP8, 0, 1, DM)
                     else:
                         for j in tl.range(0, L2G, flatten=True):
                             l2_either_block(mb, nb * L2G + j, NB2, meta, table, rank, l2_done,
-                                            pool_act, pool_src, w2, w2_s, a2, wd2, off_pool_act,
-                                            off_combine_y, off_combine_flag, H, I, AB, T_MAX, R,
+                                            pool_act, pool_src, w2, w2_s, a2, wd2, offs.pool_act,
+                                            offs.combine_y, offs.combine_flag, H, I, AB, T_MAX, R,
                                             K, BM, BN2, BK2, UPCAST, USE_TMA, False,
                                             EPI2, FP8, 0, 1, DM)
                         signal_block_rows(mb, NB2, meta & 511, table, l2_done, pool_src,
-                                          off_combine_flag, T_MAX, K, BM)
+                                          offs.combine_flag, T_MAX, K, BM)
                 if SPLIT_K > 1 and S2 > 1:   # a split part claims when done (see above)
                     nxt = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
                 phase = ticket * 0 + PHASE_L2
@@ -342,16 +341,16 @@ def fused_kernel(
         else:
             lr, j = _locate(ticket - D - G, c_v)
             rank = rank0 + lr
-            diag = peer_ptr(table, rank, off_diag, tl.int32)
+            diag = peer_ptr(table, rank, offs.diag, tl.int32)
             t0 = (j // CP) * CT
             part = j % CP
             HP = (H + CP - 1) // CP
-            n_tok = tl.load(peer_ptr(table, rank, off_num_tokens, tl.int32) + par64)
+            n_tok = tl.load(peer_ptr(table, rank, offs.num_tokens, tl.int32) + par64)
             ok = combine_tokens(rank_base(table, rank, 0, False), rank, t0,
                                 tl.minimum(CT, n_tok - t0), par64,
                                 y_ptr + lr.to(tl.int64) * y_rank_stride, y_stride, diag,
-                                max_spins, timeout_ns, epoch, T_MAX, H, E, off_topk_idx,
-                                off_combine_y, off_combine_flag, K, K_PAD, BHC, CT, UPCAST,
+                                max_spins, timeout_ns, epoch, T_MAX, H, E, offs.topk_idx,
+                                offs.combine_y, offs.combine_flag, K, K_PAD, BHC, CT, UPCAST,
                                 USE_TIMER, True, part * HP, tl.minimum(part * HP + HP, H))
             phase = ticket * 0 + PHASE_COMBINE
             a = t0

@@ -112,7 +112,7 @@ class FusedKernelCalib:
     launch_early_claims: programs whose second launch claim lands before the last programs'
         first claim (a launch race: such a program runs two of the first P tickets in a row).
     dispatch_programs_per_sm: token mode sizes dispatch tasks so that ``round(num_sms * this)``
-        tasks cover a call (``Tuning.dispatch_programs``: 0.5 in the kernel the calibration
+        tasks cover a call (``Fused.dispatch_programs``: 0.5 in the kernel the calibration
         traces ran, 1.0 in the current default); a fact of the traced kernel version, kept
         with its rates.
     call_fixed_us: per-call fixed cost by provider family (``"graph"``: a CUDA-graph replay of

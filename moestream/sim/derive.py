@@ -19,7 +19,7 @@ its end after its work. What each figure is (docs/simulator.md, "The fused-kerne
 - ``launch_early_claims``: median over traced ranks of the first-P tickets that were a
   program's second ticket (the launch race of the claim-ahead loop).
 - ``dispatch_programs_per_sm``: a token-mode trace's ``R * T / DT`` (DT: its dispatch task
-  size) over its programs: which ``Tuning.dispatch_programs`` the traced kernel ran.
+  size) over its programs: which ``Fused.dispatch_programs`` the traced kernel ran.
 - L1 / L2 block time: median duration of the blocks that did not wait (L1 blocks that began
   after the rank's last dispatch task ended; L2 blocks that began after their m-block's L1
   blocks ended). Split into a fixed part and a FLOP part with the K dependence of the
@@ -60,7 +60,7 @@ __all__ = ["load_trace", "analyse_trace", "block_k_line", "derive_fused", "fixed
            "FIXED_FAMILY_PROVIDERS", "main"]
 
 PHASE, RANK, A, B, C, SM, START, END = range(8)
-L1_SWEEP_PROVIDER = "ours:layer-default"   # Tuning.hopper's L1 tile: 128 x 128, BK 64, 8 warps
+L1_SWEEP_PROVIDER = "ours:layer-default"   # tuning.gpu_defaults' L1 tile: 128 x 128, BK 64, 8 warps
 L2_SWEEP_PROVIDER = "ours:l2n128w8s3"      # the fused L2 tile: 128 x 128, BK 64, 8 warps
 # providers whose calls are CUDA-graph replays of publish, signal, layout and the fused launch
 FIXED_FAMILY_PROVIDERS = ("fused-graph", "chunk", "chunked-", "fused-chunk")

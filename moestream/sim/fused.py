@@ -27,7 +27,7 @@ this project has (kernels/fused.py, tuning of ``moestream.stages``), task by tas
   ``expert``: 256), moving ``DISPATCH_TILE = 4`` tokens at a time (the rows of a
   tile arrive when the tile is stored); combine tasks of 4 tokens; L1 blocks BM x BN1 with
   BN1 = 128 narrowed (64, 32) when a call touches too few experts to fill the SMs
-  (``Tuning.for_call``); L2 blocks BM x 128; expert waves close at ``num_sms`` L1 blocks.
+  (``tuning.select``); L2 blocks BM x 128; expert waves close at ``num_sms`` L1 blocks.
 - **Task durations from the calibration** (``Calibration.fused_kernel()``):
 
   * L1 / L2 block: ``max(fixed + tile FLOPs / per-SM rate, HBM bytes / per-SM HBM rate)``.
@@ -106,9 +106,9 @@ class FusedTuning:
 def fused_tuning(config: MoEConfig, *, ranks: int, tokens_per_rank: int, num_sms: int,
                  granularity: Granularity, programs: int | None = None,
                  dispatch_programs_per_sm: float = 0.5) -> FusedTuning:
-    """Task sizes of one call (Tuning.for_call(...).for_fused(...).with_granularity(...));
+    """Task sizes of one call (tuning.select(..., impl="fused").with_granularity(...));
     token mode sizes dispatch tasks for ``round(num_sms * dispatch_programs_per_sm)``
-    programs (``Tuning.dispatch_programs``). The model keeps the 128-row GEMM tiles, one
+    programs (``Fused.dispatch_programs``). The model keeps the 128-row GEMM tiles, one
     program per SM and one combine part its calibration was traced with. The current kernel
     also runs decode-sized calls in decode pieces, two programs per SM where the L2 has the
     blocks, and splits small calls' combine tasks into column parts; decode calls run in one
