@@ -12,9 +12,14 @@ offsets):
 All regions are carved from ``moestream.regions``; every byte starts at zero. The buffer also
 collects the kernels' diagnostics (a stalled wait, topk ids out of range) and turns them into
 exceptions: ``check()`` synchronises; ``poll()`` looks only at results that already arrived.
+
+Every buffer registers itself under an ``op_id`` while it lives: the layer's torch custom op
+(``moestream.ops``) takes that int in place of the object, which an op schema cannot hold.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Sequence
 
 import torch
@@ -26,6 +31,12 @@ __all__ = ["SymmBuffer", "KernelStallError"]
 
 _TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "uint8": torch.uint8}
+
+
+# op_id -> live buffer. Weak: a buffer dropped without destroy() leaves no entry behind. Ids
+# are never reused, so a stale id names no buffer rather than a newer one.
+_LIVE: "weakref.WeakValueDictionary[int, SymmBuffer]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
 
 
 def _normalise_device(device) -> torch.device:
@@ -63,6 +74,12 @@ class SymmBuffer:
             first-call kernel compilation; a settable attribute.
         timeout_spins: polls before a waiting kernel gives up (the interpreter's bound, where
             waits run in sequence and a wait not met at once never will be).
+
+    Attributes:
+        op_id: int naming this buffer to ``torch.ops.moestream.mega_moe`` (``moestream.ops``)
+            until ``destroy``; unique in this process, never reused.
+        op_state: [1] int32 on ``device``, the tensor the op declares it mutates in place of
+            the buffer's memory (so compilers keep every call, in order); its value is unused.
     """
 
     def __init__(self, config: MoEConfig, *, num_ranks: int | None = None,
@@ -100,6 +117,27 @@ class SymmBuffer:
         self._diag_host: torch.Tensor | None = None
         self._diag_event = None
         self._pending = False
+        # what the custom op takes in place of this object: the registry id, and a one-element
+        # tensor that the op declares it mutates (it stands for this buffer's memory)
+        with torch.inference_mode(False):   # a normal tensor even if made under inference_mode
+            self.op_state = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.op_id = next(_NEXT_ID)
+        _LIVE[self.op_id] = self
+
+    @classmethod
+    def from_op_id(cls, op_id: int) -> "SymmBuffer":
+        """The live buffer registered under ``op_id``; ValueError if it was destroyed (or
+        garbage-collected) or never existed in this process."""
+        buf = _LIVE.get(op_id)
+        if buf is None:
+            raise ValueError(f"no live SymmBuffer has op_id {op_id}: it was destroyed or never "
+                             f"created in this process (op ids are per process)")
+        return buf
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether ``destroy`` was called (the buffer can no longer run the layer)."""
+        return not self._storage
 
     def _init_group(self, config: MoEConfig, group, device) -> list[int]:
         import torch.distributed as dist
@@ -206,6 +244,14 @@ class SymmBuffer:
         """int64 table of the local ranks' weight tensor addresses, cached by address."""
         key = tuple(t.data_ptr() for t in tensors)
         tab = self._weight_tables.get(key)
+        if tab is None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the table is copied from the host, which a capture cannot record
+            raise ValueError(
+                "the expert weights are at addresses this buffer has not seen before this CUDA "
+                "graph capture: call the layer once with the same weight tensors before "
+                "capturing. torch.compile(mode='reduce-overhead') keeps module parameters in "
+                "place; a backend that copies graph inputs into its own memory (backend="
+                "'cudagraphs') moves them and is not supported")
         if tab is None:
             if len(self._weight_tables) > 64:
                 self._weight_tables.clear()
@@ -286,6 +332,7 @@ class SymmBuffer:
             import torch.distributed as dist
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
+        _LIVE.pop(self.op_id, None)
         self._storage = []
         self._hdl = None
         self._weight_tables.clear()

@@ -12,6 +12,7 @@ import torch
 
 __all__ = ["check_tensor", "check_routing", "check_topk_range", "check_expert_weights",
            "check_expert_weights_fp8", "check_expert_weights_fp4w", "check_e8m0_codes",
+           "check_fp4w_alignment",
            "INDEX_DTYPES"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -156,10 +157,19 @@ def check_expert_weights_fp4w(w13: object, w2: object, *, experts: int, hidden: 
                  device=dev, contiguous=True)
     check_tensor(f"{prefix}w2 scales", s2, shape=(experts, H, I // 32), dtype=torch.uint8,
                  device=dev, contiguous=True)
-    for name, t in ((f"{prefix}w13 packed", p13), (f"{prefix}w13 scales", s13),
-                    (f"{prefix}w2 packed", p2), (f"{prefix}w2 scales", s2)):
-        if t.data_ptr() % 16:   # the kernels load them with 16-byte alignment hints
+    if not torch.compiler.is_compiling():   # a traced graph has no addresses: the op checks
+        check_fp4w_alignment((p13, s13), (p2, s2), prefix=prefix)
+    if codes:
+        check_e8m0_codes(f"{prefix}w13 scales", s13)
+        check_e8m0_codes(f"{prefix}w2 scales", s2)
+
+
+def check_fp4w_alignment(w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], *,
+                         prefix: str = "") -> None:
+    """fp4w (packed, scales) pairs start at 16-byte aligned addresses: the kernels load them
+    with 16-byte alignment hints (torch allocations are aligned; an offset view may not be)."""
+    for name, t in ((f"{prefix}w13 packed", w13[0]), (f"{prefix}w13 scales", w13[1]),
+                    (f"{prefix}w2 packed", w2[0]), (f"{prefix}w2 scales", w2[1])):
+        if t.data_ptr() % 16:
             raise ValueError(f"{name} must start at a 16-byte aligned address (torch "
                              f"allocations are), got data_ptr % 16 = {t.data_ptr() % 16}")
-        if codes and "scales" in name:
-            check_e8m0_codes(name, t)

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -14,9 +13,8 @@ import torch
 from .buffer import SymmBuffer
 from .checks import (check_expert_weights, check_expert_weights_fp4w, check_expert_weights_fp8,
                      check_routing, check_tensor, check_topk_range)
-from .fused import run_fused
-from .staged import run_staged
-from .tuning import Tuning
+from .ops import mega_moe_op, mega_moe_out_op, option_keys, runner
+from .tuning import Tuning, check_granularity
 
 __all__ = ["mega_moe", "mega_moe_virtual", "MegaMoE"]
 
@@ -114,28 +112,10 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    _runner(impl, granularity, buffer.config)(buffer, xs, idxs, ws, w13s, w2s, out,
-                                              tuning=tuning)
+    runner(impl, granularity, buffer.config)(buffer, xs, idxs, ws, w13s, w2s, out,
+                                             tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
-
-
-IMPLS = ("staged", "fused")
-
-
-def _runner(impl: str, granularity: int | str, config):
-    """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
-    is a ValueError from ``fused.fused_tuning``, before anything is launched)."""
-    if impl == "fused" and config.dtype == "fp4w":
-        raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only: impl='staged'")
-    if impl == "staged":
-        if granularity != "token":
-            raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
-                             "streams tokens only)")
-        return run_staged
-    if impl == "fused":
-        return functools.partial(run_fused, granularity=granularity)
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -149,6 +129,11 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     same order (ranks may pass different token counts, including 0). No host synchronisation:
     the call can be captured in a CUDA graph (after one warm-up call) and replayed with new
     inputs copied into the captured tensors.
+
+    The arguments are checked here; the layer then runs as the torch custom op
+    ``torch.ops.moestream.mega_moe`` (``moestream.ops``; ``mega_moe_out`` with ``out``), so
+    ``torch.compile`` keeps the call in its graph (docs/integrations.md, compiled models).
+    No autograd: a backward through the result raises.
 
     Args:
         x: [T, H] bf16 tokens of this rank, T <= config.max_tokens_per_rank.
@@ -166,8 +151,9 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             [E/R, H/128, I/128] fp32); fp4w: (packed [E/R, H, I/2], scales [E/R, H, I/32])).
         buffer: ``SymmBuffer(config, group=...)`` (or a virtual buffer with one rank).
         out: optional [T, H] bf16 output tensor.
-        validate: also check the topk id range on the host (synchronises), and in fp4w mode
-            that every E8M0 code is at most 253 (the kernels decode 254 and 255 wrongly).
+        validate: also check the topk id range on the host (synchronises; under
+            torch.compile a graph break), and in fp4w mode that every E8M0 code is at most
+            253 (the kernels decode 254 and 255 wrongly).
             Without it, ids outside [-1, E) are ignored by the kernels and reported as a
             ValueError by a later call (or ``buffer.check()``).
         impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
@@ -181,28 +167,43 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     Returns:
         y: [T, H] bf16, sum over k of topk_weights * expert(x).
     """
+    return _call_op(x, topk_idx, topk_weights, w13, w2, buffer, None, out=out,
+                    validate=validate, impl=impl, tuning=tuning, granularity=granularity)
+
+
+def _call_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
+             buffer: SymmBuffer, state: torch.Tensor | None, *, out: torch.Tensor | None,
+             validate: bool, impl: str, tuning: Tuning | None,
+             granularity: int | str) -> torch.Tensor:
+    """mega_moe's checks, then the registered op (moestream.ops). ``state``: the tensor the op
+    declares it mutates; None: the buffer's ``op_state`` (MegaMoE passes its registered
+    buffer, the same tensor, which torch.export tracks)."""
+    if isinstance(buffer, SymmBuffer) and buffer.destroyed:
+        raise ValueError("buffer was destroyed (SymmBuffer.destroy / MegaMoE.destroy); create "
+                         "a new one")
     if not isinstance(buffer, SymmBuffer) or buffer.local_ranks != 1:
         raise ValueError("buffer must be a SymmBuffer(config, group=...) for this rank (or a "
                          "virtual SymmBuffer with num_ranks=1); for several virtual ranks use "
                          "mega_moe_virtual")
     topk_idx, topk_weights = _prepare_rank(buffer, x, topk_idx, topk_weights, w13, w2,
                                            validate=validate, prefix="")
-    capturing = buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        buffer.poll()
+    state = buffer.op_state if state is None else state
     T, H = x.shape
-    if out is None:
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=buffer.device)
-    else:
+    if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    run = _runner(impl, granularity, buffer.config)
-    run(buffer, [x], [topk_idx], [topk_weights], [w13], [w2], out, tuning=tuning)
-    if buffer.device.type != "cuda":
-        buffer.check()       # the interpreter ran synchronously: report now
-    elif not capturing:
-        buffer.after_call()  # copied back asynchronously; the next call's poll() reports it
+    runner(impl, granularity, buffer.config)   # checks impl against granularity and dtype
+    if impl == "fused":
+        check_granularity(granularity, buffer.config.block_m)
+    gran, tun = option_keys(granularity, tuning)
+    # the registered ops (moestream.ops): compiled graphs hold them as single nodes
+    w13s = [w13] if isinstance(w13, torch.Tensor) else list(w13)
+    w2s = [w2] if isinstance(w2, torch.Tensor) else list(w2)
+    opts = dict(buffer_id=buffer.op_id, impl=impl, granularity=gran, tuning=tun)
+    if out is None:
+        return mega_moe_op(x, topk_idx, topk_weights, w13s, w2s, state, **opts)
+    mega_moe_out_op(x, topk_idx, topk_weights, w13s, w2s, state, out, **opts)
     return out
 
 
@@ -211,7 +212,9 @@ class MegaMoE(torch.nn.Module):
     E/R experts' weights.
 
     Collective: every rank of ``group`` constructs it and calls ``forward`` together.
-    Inference only (no autograd through the kernels).
+    Inference only (no autograd through the kernels). ``forward`` runs the custom op
+    ``torch.ops.moestream.mega_moe``: the module works inside ``torch.compile`` and
+    ``torch.export`` graphs.
 
     Args:
         config: the layer's sizes.
@@ -230,6 +233,8 @@ class MegaMoE(torch.nn.Module):
         fp4w configs: w13 [E/R, 2I, H/2] and w2 [E/R, H, I/2] uint8 (MXFP4 e2m1 pairs) with
             w13_scale [E/R, 2I, H/32] and w2_scale [E/R, H, I/32] uint8 (E8M0), as
             ``quant.convert_expert_weights_mxfp4`` writes them.
+        op_state: [1] int32, a non-persistent buffer: the buffer's ``op_state``, which the op
+            declares it mutates (registered so that torch.export records the mutation).
     """
 
     def __init__(self, config, *, group=None, device: str | torch.device | None = None,
@@ -247,6 +252,9 @@ class MegaMoE(torch.nn.Module):
             self.buffer = SymmBuffer(config, group=group, device=device)
         self.config = config
         self.scoring, self.renormalize = scoring, renormalize
+        # the tensor the layer's op declares it mutates, as a module buffer: torch.export then
+        # records the mutation as a buffer's (a plain tensor attribute would be a constant)
+        self.register_buffer("op_state", self.buffer.op_state, persistent=False)
         e_loc = config.experts_per_rank(self.buffer.num_ranks)
         H, I = config.hidden, config.intermediate
         wdtype = {"fp8": torch.float8_e4m3fn, "fp4w": torch.uint8}.get(config.dtype,
@@ -314,7 +322,10 @@ class MegaMoE(torch.nn.Module):
         """x [T, H] bf16, topk_idx [T, K] int (global ids, -1 = none), topk_weights [T, K] fp32
         -> y [T, H] bf16."""
         w13, w2 = self.experts()
-        return mega_moe(x, topk_idx, topk_weights, w13, w2, self.buffer)
+        # the module's op_state (the buffer's, registered): what torch.export tracks
+        return _call_op(x, topk_idx, topk_weights, w13, w2, self.buffer, self.op_state,
+                        out=None, validate=False, impl="staged", tuning=None,
+                        granularity="token")
 
     def forward_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route with ``moestream.route`` (this module's scoring) and run the layer.

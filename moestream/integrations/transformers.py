@@ -179,6 +179,8 @@ class MegaMoEExperts(nn.Module):
     Called like transformers' own experts: ``forward(hidden_states [..., H], top_k_index
     [..., K] int (global expert ids), top_k_weights [..., K] float) -> [..., H]`` in the dtype
     of ``hidden_states``. Tokens are computed in bf16 with fp32 gate weights. Inference only.
+    The layer runs as the torch custom op ``torch.ops.moestream.mega_moe``, so a compiled
+    model keeps it in its graph (docs/integrations.md, compiled models).
 
     Attributes:
         moe: the ``MegaMoE`` (its ``w13`` [E/R, 2I, H] and ``w2`` [E/R, H, I] bf16 hold the

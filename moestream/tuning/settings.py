@@ -18,7 +18,7 @@ from typing import Any
 from ..config import FP8_GROUP, MoEConfig
 
 __all__ = ["Tuning", "L1", "L2", "Copy", "Fused", "CHUNK_TILE", "EXPERT_CHUNK_TOKENS",
-           "EXPERT_CHUNK_BLOCKS", "ONE_WAVE", "next_pow2"]
+           "EXPERT_CHUNK_BLOCKS", "ONE_WAVE", "next_pow2", "check_granularity"]
 
 # chunked modes (Tuning.with_granularity): tokens a chunk's dispatch task moves at once, the
 # "expert" mode's dispatch task size and its chunk (more m-blocks than any expert has)
@@ -31,6 +31,17 @@ ONE_WAVE = 1 << 30
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def check_granularity(granularity: int | str, block_m: int) -> None:
+    """ValueError unless ``granularity`` is a streaming mode ``Tuning.with_granularity``
+    takes: "token", "expert" or a positive multiple of ``block_m``."""
+    if isinstance(granularity, str) and granularity in ("token", "expert"):
+        return
+    if isinstance(granularity, bool) or not isinstance(granularity, int) \
+            or granularity < block_m or granularity % block_m:
+        raise ValueError(f"granularity must be 'token', 'expert' or a positive multiple "
+                         f"of block_m={block_m} (tokens per chunk), got {granularity!r}")
 
 
 def _int(owner: str, name: str, v: Any, low: int) -> None:
@@ -318,16 +329,13 @@ class Tuning:
         Chunked modes fix the dispatch task size (dispatch_programs off), so resolving a
         resolved tuning again changes nothing.
         """
+        check_granularity(granularity, block_m)
         if granularity == "token":
             return self
         if granularity == "expert":
             return self.with_(fused=dict(chunk_blocks=EXPERT_CHUNK_BLOCKS, dispatch_programs=0,
                                          dispatch_tokens=EXPERT_CHUNK_TOKENS),
                               copy=dict(dispatch_tile=CHUNK_TILE))
-        if isinstance(granularity, bool) or not isinstance(granularity, int) \
-                or granularity < block_m or granularity % block_m:
-            raise ValueError(f"granularity must be 'token', 'expert' or a positive multiple "
-                             f"of block_m={block_m} (tokens per chunk), got {granularity!r}")
         return self.with_(fused=dict(chunk_blocks=granularity // block_m,
                                      dispatch_tokens=granularity, dispatch_programs=0),
                           copy=dict(dispatch_tile=min(CHUNK_TILE, next_pow2(granularity))))
