@@ -11,9 +11,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.4.6
 GPU_PY ?= python3
-# the GEMM bench's variants (moestream.bench_kernels.VARIANTS); layer-call: what the layer runs
+# the GEMM bench's variants (moestream.tools.bench_kernels.VARIANTS); layer-call: what the layer runs
 GEMM_VARIANTS ?= layer-call
-MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.cli
+MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.tools.cli
 ONE_GPU_TOKENS ?= 1,8,64,512,2048,8192
 ONE_GPU_PROVIDERS ?= staged-graph,fused-graph,fp8-staged-graph,fp8-fused-graph,torch
 

@@ -99,7 +99,7 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
         print(f"[ab {i} {side}] moestream from {where.stdout.strip()}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
             part = f.name
-        res = subprocess.run([sys.executable, "-m", "moestream.cli", "bench", *bench_args,
+        res = subprocess.run([sys.executable, "-m", "moestream.tools.cli", "bench", *bench_args,
                               "--out", part], cwd=cwd, env=env, timeout=timeout)
         if res.returncode:
             raise RuntimeError(f"run {i} ({side}) exited with {res.returncode}")

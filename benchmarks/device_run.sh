@@ -4,7 +4,7 @@
 # steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu,ab (default env,test,gemm,ep)
 # AB_BASE=<commit> AB_ARGS="<moestream bench arguments>": the ab step runs them base, new, new, base
 #   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab)
-# GEMM_VARIANTS: the gemm step's variants (moestream.bench_kernels.VARIANTS; default
+# GEMM_VARIANTS: the gemm step's variants (moestream.tools.bench_kernels.VARIANTS; default
 #   layer-call, what the layer runs in bf16; fp8-layer-call in fp8)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
@@ -27,7 +27,7 @@ fi
 if has env; then
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.txt"
   nvidia-smi topo -m 2>&1 | tee -a "$OUT/env.txt"
-  python3 -m moestream.cli check 2>&1 | tee -a "$OUT/env.txt"
+  python3 -m moestream.tools.cli check 2>&1 | tee -a "$OUT/env.txt"
 fi
 if has test; then
   # TEST_WORKERS=8: pytest-xdist workers sharing the GPU (the device has 16 cores; most of a
@@ -36,10 +36,10 @@ if has test; then
     ${TEST_WORKERS:+-n $TEST_WORKERS} --timeout 240 --durations=25 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 fi
 if has run; then
-  timeout ${RUN_TIMEOUT:-120} python3 -m moestream.cli run 2>&1 | tee "$OUT/run.log" | tail -15
+  timeout ${RUN_TIMEOUT:-120} python3 -m moestream.tools.cli run 2>&1 | tee "$OUT/run.log" | tail -15
 fi
 if has gemm; then
-  timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.cli bench --virtual-ranks ${GEMM_R:-1} --shapes ${GEMM_SHAPES:-dsv3,qwen3} \
+  timeout ${GEMM_TIMEOUT:-240} python3 -m moestream.tools.cli bench --virtual-ranks ${GEMM_R:-1} --shapes ${GEMM_SHAPES:-dsv3,qwen3} \
     --tokens-per-expert ${GEMM_M:-16,128,512,2048} --variants ${GEMM_VARIANTS:-layer-call} \
     ${GEMM_EXPERTS:+--experts-per-rank $GEMM_EXPERTS} \
     --out "$OUT/gemm_h200.jsonl" 2>&1 | tee "$OUT/gemm.log" | tail -80
@@ -50,7 +50,7 @@ if has quant; then
     --out "$OUT/quant_gemm.jsonl" 2>&1 | tee "$OUT/quant.log" | tail -60
 fi
 if has ep; then
-  MOESTREAM_EP_PARTIAL="$OUT/ep_partial.jsonl" timeout ${EP_TIMEOUT:-200} python3 -m moestream.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
+  MOESTREAM_EP_PARTIAL="$OUT/ep_partial.jsonl" timeout ${EP_TIMEOUT:-200} python3 -m moestream.tools.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
     --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} \
     ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} ${EP_SKEW:+--skew $EP_SKEW} \
     --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
@@ -59,7 +59,7 @@ fi
 if has trace; then
   for spec in ${TRACES:-qwen3:8192:token dsv3:2048:token}; do
     IFS=: read -r shape tokens gran <<< "$spec"
-    timeout ${TRACE_TIMEOUT:-120} python3 -m moestream.cli trace --shape $shape --tokens $tokens \
+    timeout ${TRACE_TIMEOUT:-120} python3 -m moestream.tools.cli trace --shape $shape --tokens $tokens \
       --granularity $gran ${TRACE_TUNING:+--tuning $TRACE_TUNING} --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
       --json "$OUT/trace_${shape}_${tokens}_${gran}.json" 2>&1 | tee -a "$OUT/trace.log" | tail -12
   done
@@ -70,11 +70,11 @@ if has sweep; then
     --out "$OUT/fused_sweep.jsonl" 2>&1 | tee "$OUT/sweep.log" | tail -30
 fi
 if has layer; then
-  timeout ${LAYER_TIMEOUT:-170} python3 -m moestream.cli bench-layer ${LAYER_ARGS:-} \
+  timeout ${LAYER_TIMEOUT:-170} python3 -m moestream.tools.cli bench-layer ${LAYER_ARGS:-} \
     --out "$OUT/layer_h200x2.jsonl" --plot "$OUT/layer_h200x2.png" 2>&1 | tee "$OUT/layer.log" | tail -30
 fi
 if has probe; then
-  timeout ${PROBE_TIMEOUT:-120} python3 -m moestream.cli probe ${PROBE_ARGS:---quick} \
+  timeout ${PROBE_TIMEOUT:-120} python3 -m moestream.tools.cli probe ${PROBE_ARGS:---quick} \
     --out "$OUT/calib_probe.json" 2>&1 | tee "$OUT/probe.log" | tail -30
 fi
 if has ab; then
@@ -101,7 +101,7 @@ if has ncu; then
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
       --section InstructionStats --csv --page raw --log-file "$OUT/ncu_${shape}_${m}_${variant}.csv" \
-      python3 -m moestream.cli bench --virtual-ranks 1 --shapes "$shape" --tokens-per-expert "$m" \
+      python3 -m moestream.tools.cli bench --virtual-ranks 1 --shapes "$shape" --tokens-per-expert "$m" \
       "${vargs[@]}" --reps 1 >> "$OUT/ncu.log" 2>&1
     echo "$item rc=$? lines=$(wc -l < "$OUT/ncu_${shape}_${m}_${variant}.csv")" | tee -a "$OUT/ncu.log"
   done

@@ -5,7 +5,7 @@ the fused launch's default for the call (``tuning.select``), written as ``NAME:f
 (the ``--tuning`` syntax of ``moestream bench``). Two names are built in: ``default`` (no
 overrides) and ``staged`` (the staged path with its own default, for reference in the same
 process). Every point is checked against the first variant's output (bf16 tolerance) before
-it is timed as CUDA-graph replays (``moestream.bench`` protocol: warm-up, median of >= 20 calls,
+it is timed as CUDA-graph replays (``moestream.tools.bench`` protocol: warm-up, median of >= 20 calls,
 inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: many variants
 cost one start-up.
 
@@ -24,7 +24,7 @@ BUILT_IN = ("default", "staged")
 def parse_variant(text: str) -> tuple[str, dict]:
     """``"wave264:fused.wave_blocks=264"`` -> ``("wave264", {"fused.wave_blocks": 264})``; the built-in
     names take no overrides. ValueError for a malformed variant or an unknown field."""
-    from moestream.bench_ep import parse_tuning
+    from moestream.tools.bench_ep import parse_tuning
     name, colon, spec = text.partition(":")
     name = name.strip()
     if not name:
@@ -43,8 +43,8 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
 
     from moestream import MoEConfig, SymmBuffer, mega_moe
     from moestream.launch import tuning_for
-    from moestream.bench import slowest, time_cuda
-    from moestream.bench_ep import _capture, _weights_and_inputs
+    from moestream.tools.bench import slowest, time_cuda
+    from moestream.tools.bench_ep import _capture, _weights_and_inputs
     from moestream.testing import TOLERANCE, rel_error
 
     dev = torch.device("cuda", rank)
@@ -94,8 +94,8 @@ def _worker(rank, world, shapes, tokens, variants, reps, seed, out):
 
 
 def main() -> None:
-    from moestream.cli import _ints, _names
-    from moestream.distributed import spawn
+    from moestream.tools.cli import _ints, _names
+    from moestream.tools.distributed import spawn
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=_names, default=["qwen3", "dsv3"])

@@ -1,5 +1,5 @@
-"""Standalone quantized grouped GEMMs on one GPU: the fp8 kernels (moestream.fp8) and the MXFP4-
-weight kernels (moestream.fp4) over the same pool, the benchmarks' timing (CUDA events, warm-up,
+"""Standalone quantized grouped GEMMs on one GPU: the fp8 kernels (moestream.tools.fp8) and the MXFP4-
+weight kernels (moestream.tools.fp4) over the same pool, the benchmarks' timing (CUDA events, warm-up,
 median of 20), one JSON row per (shape, format, kernel, tokens per expert).
 
     PYTHONPATH=. python3 benchmarks/quant_gemm.py --out rows.jsonl [--shapes dsv3,qwen3]
@@ -19,10 +19,10 @@ import torch
 
 
 def main(argv=None) -> int:
-    from moestream.bench import DEFAULT_CALIB, time_cuda
+    from moestream.tools.bench import DEFAULT_CALIB, time_cuda
     from moestream.config import SHAPES
-    from moestream.fp4 import l1_fp4w, l2_fp4w
-    from moestream.fp8 import l1_fp8, l2_fp8, pack_block_meta
+    from moestream.tools.fp4 import l1_fp4w, l2_fp4w
+    from moestream.tools.fp8 import l1_fp8, l2_fp8, pack_block_meta
     from moestream.quant import (convert_expert_weights_fp8, convert_expert_weights_mxfp4,
                                  quantize_act_fp8)
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     distributed = "RANK" in os.environ
     if distributed:
-        from moestream.distributed import init_from_env
+        from moestream.tools.distributed import init_from_env
         rank, world, device = init_from_env()
         if world > 1 and device.type != "cuda":
             p.error("several ranks need one CUDA GPU each (symmetric memory)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.fp8 import pack_block_meta
+from moestream.tools.fp8 import pack_block_meta
 from moestream.quant import dequantize_act_fp8, quantize_act_fp8
 
 F8 = torch.float8_e4m3fn

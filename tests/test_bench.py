@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from moestream.bench import (DEFAULT_CALIB, ROW_KEYS, append_rows, expected_touched_experts,
+from moestream.tools.bench import (DEFAULT_CALIB, ROW_KEYS, append_rows, expected_touched_experts,
                              floors, load_rows, plot_rows, print_table, result_row,
                              routing_floors, slowest, time_cuda)
 from moestream.config import SHAPES, MoEConfig
@@ -266,7 +266,7 @@ def test_slowest_without_group_is_identity() -> None:
 
 def test_ep_bench_provider_names():
     # chunk<C> providers name the fused launch's chunked mode; typos are a ValueError
-    from moestream.bench_ep import _granularity, _replayed, check_providers
+    from moestream.tools.bench_ep import _granularity, _replayed, check_providers
     assert _granularity("chunk256") == 256 and _granularity("chunkexpert") == "expert"
     assert _granularity("fused") is None
     assert _replayed("chunk128") and _replayed("fused-graph") and not _replayed("fused")
@@ -279,7 +279,7 @@ def test_ep_bench_provider_names():
 def test_stage_providers_and_plot(tmp_path):
     # *-stages providers are timed stage by stage, never replayed; plot_stages draws one
     # stacked bar per row, stages in run_staged's order, and refuses rows without stages
-    from moestream.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
+    from moestream.tools.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
     from moestream.staged import STAGES
     check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
                      "fp8-staged-graph-stages", "fp4w-staged-stages", "fp4w-staged-graph"])
@@ -301,7 +301,7 @@ def test_stage_providers_and_plot(tmp_path):
 def test_tuned_providers_and_their_overrides():
     # the *-tuned-graph providers run staged calls with Tuning fields overridden;
     # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
-    from moestream.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
+    from moestream.tools.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
                                     parse_tuning)
     assert parse_tuning("gemm_claim=true, l1.block_n=128,use_tma=None") == {
         "gemm_claim": True, "l1.block_n": 128, "use_tma": None}
@@ -335,7 +335,7 @@ def test_tuned_providers_and_their_overrides():
 @pytest.mark.parametrize("skew", [0.0, -0.1, 1.5, True, "0.3"])
 def test_ep_bench_skew_is_checked_before_any_process_starts(skew):
     # a skew make_routing would reject inside every spawned rank is a ValueError up front
-    from moestream.bench_ep import run_ep_bench
+    from moestream.tools.bench_ep import run_ep_bench
     with pytest.raises(ValueError, match=r"skew is the hot expert's share of picks, in \(0, 1\]"):
         run_ep_bench(shapes=["qwen3"], tokens=[1], providers=["staged"], skew=skew)
 
@@ -343,7 +343,7 @@ def test_ep_bench_skew_is_checked_before_any_process_starts(skew):
 def test_ep_bench_block_m_is_checked_before_any_process_starts():
     # --block-m (run_ep_bench's block_m) is a MoEConfig.block_m: a value the config rejects
     # is a ValueError naming the allowed ones, on a machine with or without GPUs
-    from moestream.bench_ep import run_ep_bench
+    from moestream.tools.bench_ep import run_ep_bench
     with pytest.raises(ValueError, match="block_m must be one of"):
         run_ep_bench(shapes=["qwen3"], tokens=[1], providers=["staged"], block_m=96)
 
@@ -356,7 +356,7 @@ def test_stage_times_on_one_gpu(timer):
     # from Python or inside a graph replay; the stages add up to the call, and the output is
     # the layer's
     from moestream import SymmBuffer, bench_ep
-    from moestream.bench_ep import _staged_call
+    from moestream.tools.bench_ep import _staged_call
     from moestream.staged import STAGES
     from moestream.reference import moe_forward
     from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
@@ -440,7 +440,7 @@ class _FakeClock:
 def test_stage_timers_split_a_call_into_its_stages(monkeypatch, timer):
     # the timers' bookkeeping without a GPU: each stage's time runs from the previous mark
     # (the first from the call's start), in STAGES order, and the stages add up to the call
-    from moestream import bench_ep
+    from moestream.tools import bench_ep
     from moestream.staged import STAGES
     clock = _FakeClock()
     monkeypatch.setattr(torch.cuda, "Event", clock.event)
@@ -466,7 +466,7 @@ def test_gemm_bench_routing_gives_every_expert_exactly_its_rows():
     # the GEMM bench gives each expert exactly M rows: T = E * M / (R * K) tokens per rank must
     # be whole. v4flash's top-6 over 32 experts at 128 rows cannot (4096 / 6): K drops to the
     # largest that fits (4), which changes where rows come from, not the GEMMs
-    from moestream.bench_kernels import picks_per_token, uniform_routing
+    from moestream.tools.bench_kernels import picks_per_token, uniform_routing
     assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=6) == 4
     assert picks_per_token(experts=32, rows_per_expert=128, ranks=1, top_k=8) == 8
     assert picks_per_token(experts=4, rows_per_expert=3, ranks=1, top_k=8) == 4   # K <= E
@@ -491,7 +491,7 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
     # is found in its source rank's combine slot and matches fp32 math on the L1 output; a
     # slot overwritten (a misplaced or missing row) is caught
     from moestream import staged
-    from moestream.bench_kernels import l2_error
+    from moestream.tools.bench_kernels import l2_error
     from moestream.buffer import SymmBuffer
     from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights,
                                    quantize_weights)
@@ -523,7 +523,7 @@ def test_layer_call_variant_times_what_the_layer_picks(monkeypatch) -> None:
     # layer's CUDA graphs run it; the policy's device is stood in for by an H200
     from conftest import H200
     from moestream import launch
-    from moestream.bench_kernels import VARIANTS
+    from moestream.tools.bench_kernels import VARIANTS
     from moestream.buffer import SymmBuffer
     from moestream.tuning import select
     cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=4096)
@@ -648,7 +648,7 @@ def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
 def test_bench_weights_are_drawn_per_expert_reproducibly():
     # the EP bench draws its weights on the device, one expert at a time: same seed -> same
     # weights, every expert drawn (none left empty), and the std the scale asks for
-    from moestream.bench_ep import _randn_bf16
+    from moestream.tools.bench_ep import _randn_bf16
     draw = lambda seed: _randn_bf16((5, 64, 96), 0.5, torch.Generator().manual_seed(seed), "cpu")
     a, b, c = draw(3), draw(3), draw(4)
     assert a.dtype == torch.bfloat16 and a.shape == (5, 64, 96)
@@ -661,7 +661,7 @@ def test_bench_weights_are_drawn_per_expert_reproducibly():
 def _skew_floor_worker(rank: int, world: int, seed: int):
     # what bench_ep_worker does per token count under skew: its input sets, then the gathered
     # routing's floor (a collective over the ranks)
-    from moestream.bench_ep import _inputs, _routing_floor
+    from moestream.tools.bench_ep import _inputs, _routing_floor
     cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=16)
     g = torch.Generator().manual_seed(seed + 17 * rank)
     sets = _inputs(cfg, 16, g, "cpu", skew=0.3, sets=2)
@@ -672,7 +672,7 @@ def _skew_floor_worker(rank: int, world: int, seed: int):
 def test_skewed_bench_rows_take_the_floor_of_their_routing() -> None:
     # two gloo ranks: the floor the EP bench gives a skewed row is the mean over its input
     # sets of routing_floors on every rank's routing (gathered), the same on both ranks
-    from moestream.distributed import spawn
+    from moestream.tools.distributed import spawn
     res = spawn(_skew_floor_worker, world_size=2, backend="gloo", args=(11,), timeout_s=120)
     (idxs0, bf0, fp0), (idxs1, bf1, fp1) = res
     want = {d: sum(routing_floors("qwen3", topk_idxs=[a, b], dtype=d)["floor_us"]

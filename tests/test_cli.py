@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 
 from moestream import SHAPES
-from moestream.bench import load_rows, result_row, results_path, update_rows
-from moestream.cli import build_parser, main
-from moestream.terminal import MissingExtraError, print_table, progress, require
+from moestream.tools.bench import load_rows, result_row, results_path, update_rows
+from moestream.tools.cli import build_parser, main
+from moestream.tools.terminal import MissingExtraError, print_table, progress, require
 
 
 @pytest.mark.parametrize("argv", [
@@ -60,7 +60,7 @@ def test_help_names_every_command_and_the_valid_shapes_and_providers(capsys):
     bench = capsys.readouterr().out
     for shape in SHAPES:
         assert shape in bench
-    from moestream.bench_ep import PROVIDERS
+    from moestream.tools.bench_ep import PROVIDERS
     flat = " ".join(bench.split())
     for provider in PROVIDERS:
         assert provider in flat.replace("- ", "-"), provider

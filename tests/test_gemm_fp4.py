@@ -1,5 +1,5 @@
 """The standalone MXFP4-weight ("fp4w") grouped GEMMs (moestream/kernels/gemm_fp4.py, launched by
-moestream.fp4) against the quantization-aware math in fp64 (moestream.quant's dequantize helpers),
+moestream.tools.fp4) against the quantization-aware math in fp64 (moestream.quant's dequantize helpers),
 on the CPU interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
 
 Tolerances (written down here, see docs/quantization.md "MXFP4 GEMM kernels (standalone)"):
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestream.aot import SM90_SHARED_LIMIT
-from moestream.fp4 import l1_fp4w, l2_fp4w, pack_block_meta
+from moestream.tools.aot import SM90_SHARED_LIMIT
+from moestream.tools.fp4 import l1_fp4w, l2_fp4w, pack_block_meta
 from moestream.kernels import gemm_fp4
 from moestream.kernels._common import tl, triton
 from moestream.kernels.gemm_fp4 import MAX_E8M0, e8m0_twice, place_e2m1_pairs
@@ -376,7 +376,7 @@ def test_l2_rejects_bad_inputs(over, match):
 
 _COMPILE = """
 import json, sys
-from moestream.aot import compile_quant_gemms
+from moestream.tools.aot import compile_quant_gemms
 for bm, warps, stages in json.loads(sys.argv[1]):
     for r in compile_quant_gemms(fmt="fp4w", block_m=bm, block_n=128, num_warps=warps, num_stages=stages):
         print(json.dumps(dict(r, block_m=bm)))
@@ -417,6 +417,6 @@ def test_compiles_for_sm90_with_fp8_warpgroup_mma():
 
 
 def test_compile_quant_gemms_names_the_formats():
-    from moestream.aot import compile_quant_gemms
+    from moestream.tools.aot import compile_quant_gemms
     with pytest.raises(ValueError, match="fmt must be 'fp8' or 'fp4w'"):
         compile_quant_gemms(fmt="fp4")

@@ -1,4 +1,4 @@
-"""The standalone fp8 grouped GEMMs (moestream/kernels/gemm_fp8.py, launched by moestream.fp8)
+"""The standalone fp8 grouped GEMMs (moestream/kernels/gemm_fp8.py, launched by moestream.tools.fp8)
 against the quantization-aware math in fp64 (moestream.quant's dequantize helpers), on the CPU
 interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestream.aot import SM90_SHARED_LIMIT
-from moestream.fp8 import l1_fp8, l2_fp8, pack_block_meta
+from moestream.tools.aot import SM90_SHARED_LIMIT
+from moestream.tools.fp8 import l1_fp8, l2_fp8, pack_block_meta
 from moestream.quant import (convert_expert_weights_fp8, dequantize_act_fp8,
                              dequantize_weight_fp8_blocks)
 
@@ -264,7 +264,7 @@ def test_compiles_for_sm90_with_fp8_warpgroup_mma(block_m, warps, stages):
     few bytes (stack 32 seen, Triton 3.6); at BM=64 with 8 warps it does not spill."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "moestream.aot", "--fp8", "--json",
+    res = subprocess.run([sys.executable, "-m", "moestream.tools.aot", "--fp8", "--json",
                           "--block-m", str(block_m), "--block-n", "128", "--warps", str(warps),
                           "--stages", str(stages)],
                          env=env, capture_output=True, text=True, timeout=300)

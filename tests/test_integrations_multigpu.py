@@ -165,7 +165,7 @@ def _check_generate(family, rank, world, seed, dev, block_m, group, new_tokens) 
 
 def ep_worker(rank: int, world: int, seed: int, device: str, families, new_tokens: int,
               block_m: int | None) -> dict:
-    """One rank (moestream.distributed.spawn): findings per family.
+    """One rank (moestream.tools.distributed.spawn): findings per family.
 
     device "cuda": this rank's GPU (NCCL group, EP = world); "cpu": one gloo rank with the
     kernels in Triton's interpreter (the CPU test of this worker's code).
@@ -234,7 +234,7 @@ def findings():
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
     pytest.importorskip("transformers")
-    from moestream.distributed import spawn
+    from moestream.tools.distributed import spawn
     return spawn(ep_worker, world_size=WORLD, backend="nccl",
                  args=(SEED, "cuda", EP_FAMILIES, NEW_TOKENS, None), timeout_s=900)
 

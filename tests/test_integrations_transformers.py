@@ -483,7 +483,7 @@ def test_the_multi_gpu_worker_runs_on_one_cpu_rank(gen):
     """tests/test_integrations_multigpu.py's worker, with one gloo rank on the CPU (the group
     path of replace_moe_blocks with a real process group, generate with synced_gpus, teacher
     forcing), judged as the GPU test judges it."""
-    from moestream.distributed import spawn
+    from moestream.tools.distributed import spawn
     from test_integrations_multigpu import compare_generation, ep_worker
     seed = int(torch.randint(2**31, (1,), generator=gen))
     (res,) = spawn(ep_worker, world_size=1, backend="gloo",
@@ -533,7 +533,7 @@ def test_generation_comparison_allows_only_near_ties(gen):
 def test_bench_layer_worker_runs_on_the_cpu(tmp_path):
     import json
 
-    from moestream.bench_layer import report, run_layer_bench
+    from moestream.tools.bench_layer import report, run_layer_bench
     res = run_layer_bench(families=["deepseek_v3"], decode=[2], prefill=[16],
                           providers=["transformers", "transformers-eager", "moestream",
                                      "moestream-graph"],     # skipped on the CPU
@@ -560,8 +560,8 @@ def test_bench_layer_worker_runs_on_the_cpu(tmp_path):
 
 
 def test_bench_layer_arguments(capsys):
-    from moestream.bench_layer import layer_config, run_layer_bench
-    from moestream.cli import main
+    from moestream.tools.bench_layer import layer_config, run_layer_bench
+    from moestream.tools.cli import main
     with pytest.raises(ValueError, match="unknown family 'llama'"):
         run_layer_bench(families=["llama"], device="cpu")
     with pytest.raises(ValueError, match="unknown provider 'vllm'"):

@@ -237,7 +237,7 @@ def _worker_stall(rank, world, seed):
 
 
 def _spawn(fn, *args):
-    from moestream.distributed import spawn
+    from moestream.tools.distributed import spawn
     return spawn(fn, world_size=WORLD, backend="nccl", args=args, timeout_s=600)
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import HAS_CUDA, KERNEL_DEVICES, NUM_GPUS
 
-from moestream import probe
-from moestream.probe import (ProbeError, ProbePlan, ProbeResults, assemble_calibration,
+from moestream.tools import probe, probe_gpu
+from moestream.tools.probe import (ProbeError, ProbePlan, ProbeResults, assemble_calibration,
                              calibration_table, probe_plan, run_probe)
-from moestream.sim import Calibration
+from moestream.tools.sim import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def test_run_probe_refuses_a_directory(tmp_path):
 
 
 def test_without_cuda_the_probe_says_so(monkeypatch, tmp_path, capsys):
-    from moestream.cli import main
+    from moestream.tools.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ProbeError, match="needs a CUDA GPU"):
@@ -193,7 +193,7 @@ def test_without_cuda_the_probe_says_so(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU error path of the command")
 def test_the_command_exits_cleanly_without_cuda(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "moestream.cli", "probe", "--out",
+    res = subprocess.run([sys.executable, "-m", "moestream.tools.cli", "probe", "--out",
                           str(tmp_path / "c.json")], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 2
@@ -211,11 +211,12 @@ def test_run_probe_runs_every_section_and_keeps_going_after_a_failure(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(multi_processor_count=100, name="Fake GPU"))
-    monkeypatch.setattr(probe, "_enable_peer", lambda a, b, notes: True)
-    monkeypatch.setattr(probe, "_dense", lambda plan, dev: 500.0)
-    monkeypatch.setattr(probe, "_hbm", lambda plan, dev: 3.0)
-    monkeypatch.setattr(probe, "_cache_read",
-                        lambda plan, dev, tick: [8.0 - i for i in range(len(plan.cache_read_bytes))])
+    monkeypatch.setattr(probe_gpu, "enable_peer", lambda a, b, notes: True)
+    monkeypatch.setattr(probe_gpu, "dense", lambda plan, dev: 500.0)
+    monkeypatch.setattr(probe_gpu, "hbm", lambda plan, dev: 3.0)
+    monkeypatch.setattr(probe_gpu, "cache_read",
+                        lambda plan, dev, tick: [8.0 - i
+                                                 for i in range(len(plan.cache_read_bytes))])
 
     def grouped_torch(plan, dev, tick):
         return [10.0, 100.0, 300.0, 400.0], [9.0, 90.0, 250.0, 300.0]
@@ -236,9 +237,9 @@ def test_run_probe_runs_every_section_and_keeps_going_after_a_failure(monkeypatc
         seen.append(("flag", a.index, b.index))
         return 2.5, 3.5
 
-    for name, fn in (("_grouped_torch", grouped_torch), ("_grouped_triton", grouped_triton),
-                     ("_host_copies", host), ("_pulls", pulls), ("_ping_pong", ping)):
-        monkeypatch.setattr(probe, name, fn)
+    for name, fn in (("grouped_torch", grouped_torch), ("grouped_triton", grouped_triton),
+                     ("host_copies", host), ("pulls", pulls), ("ping_pong", ping)):
+        monkeypatch.setattr(probe_gpu, name, fn)
     out = tmp_path / "sub" / "calib.json"
     d = run_probe(out=out, quick=True, progress=False)
     assert json.loads(out.read_text()) == d
@@ -250,14 +251,15 @@ def test_run_probe_runs_every_section_and_keeps_going_after_a_failure(monkeypatc
     assert d["probe"]["errors"] == {"grouped_gemm.triton": "RuntimeError: no kernel today"}
     assert d["probe"]["fallbacks"] == {} and d["probe"]["not_measured"] == []
     assert c.device_pull_peer_gbps == 200.0     # the 7168-byte row of the quick plan
-    assert d["cache_read"] == {**d["cache_read"], "bytes": list(probe_plan(quick=True).cache_read_bytes),
+    assert d["cache_read"] == {**d["cache_read"],
+                               "bytes": list(probe_plan(quick=True).cache_read_bytes),
                                "tbps": [8.0, 7.0, 6.0, 5.0, 4.0]}
     assert d["device_pull"]["by_programs"]["where"] == "peer"
     assert seen == [("pull", 0, 0, 3, 0), ("host", 0, 1), ("pull", 0, 1, 3, 3), ("flag", 0, 1)]
     assert set(d["probe"]["timings_s"]) >= {"dense bf16 matmul", "flag_round_trip"}
     # no peer access: every peer figure is taken on GPU 0 and marked
     seen.clear()
-    monkeypatch.setattr(probe, "_enable_peer", lambda a, b, notes: False)
+    monkeypatch.setattr(probe_gpu, "enable_peer", lambda a, b, notes: False)
     d = run_probe(out=None, quick=True, progress=False, gemm_providers=["torch"])
     assert seen == [("pull", 0, 0, 3, 0), ("host", 0, 0), ("pull", 0, 0, 0, 3), ("flag", 0, 0)]
     assert set(d["probe"]["fallbacks"]) == {"host_peer_copy", "device_pull.peer_gbps",
@@ -291,17 +293,17 @@ def test_a_ping_pong_side_alone_gives_up(device):
                        device=device)
     out = torch.zeros(3, dtype=torch.int64, device=device)
     spins, timeout_ns = (2**31 - 1, 20_000_000) if use_timer else (20, 10**9)
-    probe._ping_pong_kernel[(1,)](tab, out, 10, 2, spins, timeout_ns, INITIATOR=True,
+    probe_gpu.ping_pong_kernel[(1,)](tab, out, 10, 2, spins, timeout_ns, INITIATOR=True,
                                   USE_TIMER=use_timer, num_warps=1)
     assert out.tolist()[1:] == [0, 0] and flags[1, 0].item() == 1
     flags.zero_()
     flags[0, 0] = 3          # three pings already there
     out.zero_()
-    probe._ping_pong_kernel[(1,)](tab, out, 10, 0, spins, timeout_ns, INITIATOR=False,
+    probe_gpu.ping_pong_kernel[(1,)](tab, out, 10, 0, spins, timeout_ns, INITIATOR=False,
                                   USE_TIMER=use_timer, num_warps=1)
     assert out.tolist()[1:] == [3, 0] and flags[1, 0].item() == 3
     out.zero_()              # zero round trips: nothing waits (how the probe compiles both)
-    probe._ping_pong_kernel[(1,)](tab, out, 0, 0, spins, timeout_ns, INITIATOR=True,
+    probe_gpu.ping_pong_kernel[(1,)](tab, out, 0, 0, spins, timeout_ns, INITIATOR=True,
                                   USE_TIMER=use_timer, num_warps=1)
     assert out.tolist()[1:] == [0, 1]
 
@@ -309,20 +311,20 @@ def test_a_ping_pong_side_alone_gives_up(device):
 _COMPILE = r"""
 import json, torch
 from triton.runtime.driver import driver
-from moestream.aot import _CompileOnlyDriver
-from moestream import probe
+from moestream.tools.aot import _CompileOnlyDriver
+from moestream.tools import probe, probe_gpu
 driver.set_active(_CompileOnlyDriver(90))
-k = probe._pull_rows_kernel.warmup(torch.zeros(1, dtype=torch.int64),
+k = probe_gpu.pull_rows_kernel.warmup(torch.zeros(1, dtype=torch.int64),
     torch.zeros(8, 1792, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 8,
     ROW_WORDS=1792, BLOCK=2048, num_warps=4, grid=(8,))
 out = {"pull": k.metadata.shared}
 for ini in (True, False):
-    k = probe._ping_pong_kernel.warmup(torch.zeros(2, dtype=torch.int64),
+    k = probe_gpu.ping_pong_kernel.warmup(torch.zeros(2, dtype=torch.int64),
         torch.zeros(3, dtype=torch.int64), 500, 50, 2**31 - 1, 2 * 10**9, INITIATOR=ini,
         USE_TIMER=True, num_warps=1, grid=(1,))
     out["initiator" if ini else "responder"] = k.asm["ptx"]
 # the cache probe as probe.reread launches it (slices of whole 1024-word blocks)
-k = probe._reread_kernel.warmup(torch.zeros(1 << 20), torch.zeros(528), 1 << 20, 2048, 16,
+k = probe_gpu.reread_kernel.warmup(torch.zeros(1 << 20), torch.zeros(528), 1 << 20, 2048, 16,
     BLOCK=1024, num_warps=4, grid=(528,))
 out["reread"] = k.asm["ptx"]
 print(json.dumps(out))

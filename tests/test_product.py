@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # what the product's text is: code, tests, docs, examples, benchmark scripts, the README
-PRODUCT = ([*ROOT.glob("moestream/**/*.py"), *ROOT.glob("moestream/data/*.json"),
+PRODUCT = ([*ROOT.glob("moestream/**/*.py"), *ROOT.glob("moestream/tools/sim/data/*.json"),
             *ROOT.glob("tests/*.py"), *ROOT.glob("docs/*.md"), *ROOT.glob("examples/*.py"),
             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/*.sh"), README])
 HISTORY = re.compile("[Ss]ession" + r"[ _-]?[0-9]")
@@ -67,3 +67,21 @@ def test_performance_doc_and_readme_table_match_the_results_files():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance.py"),
                           "--check"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def test_package_modules_are_short_and_the_layer_never_imports_its_tools():
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in ROOT.glob("moestream/**/*.py")
+            if (n := len(p.read_text().splitlines())) > 800]
+    assert not long, long
+    # statically: no module outside moestream/tools imports it ...
+    pattern = re.compile(r"^\s*(from\s+(moestream\.tools|\.+tools)\b|import\s+moestream\.tools)",
+                         re.M)
+    users = [str(p.relative_to(ROOT)) for p in ROOT.glob("moestream/**/*.py")
+             if "tools" not in p.relative_to(ROOT).parts and pattern.search(p.read_text())]
+    assert not users, users
+    # ... and at run time: importing the layer loads none of it
+    code = ("import sys, moestream, moestream.integrations.transformers; "
+            "print(sorted(m for m in sys.modules if m.startswith('moestream.tools')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == "[]", out

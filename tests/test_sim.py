@@ -1,4 +1,4 @@
-"""Tests of moestream.sim: calibration, conservation, monotonicity, analytic limits, the event
+"""Tests of moestream.tools.sim: calibration, conservation, monotonicity, analytic limits, the event
 engine against the vectorised one, the seed's token-vs-chunk predictions, the CLI."""
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from moestream.config import MoEConfig
 from moestream.schedule import Phase, build_schedule
-from moestream.sim import (Calibration, Fabric, Link, compare, make_fabric, make_routing,
+from moestream.tools.sim import (Calibration, Fabric, Link, compare, make_fabric, make_routing,
                            simulate)
-from moestream.sim.cli import main as cli_main
-from moestream.sim.cli import parse_chunks
-from moestream.sim.engine import run_plan
-from moestream.sim.events import run_events
-from moestream.sim.plan import build_plan
+from moestream.tools.sim.cli import main as cli_main
+from moestream.tools.sim.cli import parse_chunks
+from moestream.tools.sim.engine import run_plan
+from moestream.tools.sim.events import run_events
+from moestream.tools.sim.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL = Calibration.load()
@@ -500,7 +500,7 @@ def test_large_scale_runs():
 # ---- CLI ----------------------------------------------------------------------------------------
 def test_acceptance_command_runs_under_ten_seconds():
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "moestream.sim.cli", "--shape", "dsv3",
+    out = subprocess.run([sys.executable, "-m", "moestream.tools.sim.cli", "--shape", "dsv3",
                           "--ranks", "64", "--tokens", "128", "--link", "rdma"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"})
@@ -537,7 +537,7 @@ def test_cli_reports_bad_input(capsys):
 def test_add_parser_wires_a_subcommand():
     import argparse
 
-    from moestream.sim.cli import add_parser, run
+    from moestream.tools.sim.cli import add_parser, run
 
     p = argparse.ArgumentParser(prog="moestream")
     add_parser(p.add_subparsers(dest="cmd"))
@@ -546,8 +546,8 @@ def test_add_parser_wires_a_subcommand():
 
 
 # ---- validation against measured rows ---------------------------------------------------------
-from moestream.sim import validate  # noqa: E402
-from moestream.sim.validate import (NOT_GRAPH_FLAG, load_rows, provider_model,  # noqa: E402
+from moestream.tools.sim import validate  # noqa: E402
+from moestream.tools.sim.validate import (NOT_GRAPH_FLAG, load_rows, provider_model,  # noqa: E402
                                     register_provider, skip_reason, summarize)
 
 
@@ -577,8 +577,8 @@ def test_provider_names_map_to_granularities():
         assert "one persistent launch" in provider_model(staged).flag
     for other in ("torch", "torch-symm", "chunked-", "chunked-0x", "chunk0", "chunk-256", None):
         assert provider_model(other) is None
-    # moestream.sim.validate is the function; its module is in sys.modules
-    registry = sys.modules["moestream.sim.validate"]._EXACT
+    # moestream.tools.sim.validate is the function; its module is in sys.modules
+    registry = sys.modules["moestream.tools.sim.validate"]._EXACT
     register_provider("my-graph", granularity="token", flag="graph replay")
     try:
         assert provider_model("my-graph").flag == "graph replay"
@@ -674,11 +674,12 @@ def test_cli_validate_prints_the_table_and_the_share_within(tmp_path, capsys):
 
 
 # ---- the fused-kernel execution model -----------------------------------------------------------
-from moestream.sim.calib import FusedKernelCalib  # noqa: E402
-from moestream.sim.fused import (COMBINE_TILE, DISPATCH_TILE, EXPERT_CHUNK_TOKENS,  # noqa: E402
+from moestream.tools.sim.calib import FusedKernelCalib  # noqa: E402
+from moestream.tools.sim.fused import (COMBINE_TILE, DISPATCH_TILE, EXPERT_CHUNK_TOKENS,  # noqa: E402
                                  fused_tuning, launch_claims, simulate_fused)
 
-FUSED_CAL = Calibration.load(ROOT / "moestream" / "data" / "calib_h200x2_fused.json")
+FUSED_CAL = Calibration.load(
+    ROOT / "moestream" / "tools" / "sim" / "data" / "calib_h200x2_fused.json")
 DATA = ROOT / "tests" / "data"
 
 
@@ -790,7 +791,7 @@ def test_fused_ticket_order_and_dependencies_are_respected():
         res = simulate_fused(config=cfg, routing=rt, fabric=fab, granularity=g, calib=cal,
                              programs=P, record=True)
         _check_ticket_order(res, {"ovh": cal.fused.ticket_overhead_us})
-        from moestream.sim.fused import L1, L2, build_fused_plan, run_fused_plan
+        from moestream.tools.sim.fused import L1, L2, build_fused_plan, run_fused_plan
         plan = build_fused_plan(config=cfg, routing=rt, fabric=fab, granularity=g, calib=cal,
                                 programs=P)
         out = run_fused_plan(plan, record=True)
@@ -951,7 +952,7 @@ def test_fused_cli_and_compare(capsys):
 
 
 def test_derive_reproduces_the_packaged_fused_calibration():
-    from moestream.sim.derive import derive_fused, fixed_cost, load_trace
+    from moestream.tools.sim.derive import derive_fused, fixed_cost, load_trace
     probe = Calibration.load(DATA / "calib_probe_quick.json")
     traces = [load_trace(DATA / f"trace_qwen3_8192_{g}.json.gz") for g in ("token", "128")]
     fk = derive_fused(traces, calib=probe,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moestream.aot import SM90_SHARED_LIMIT
+from moestream.tools.aot import SM90_SHARED_LIMIT
 
 ROOT = Path(__file__).resolve().parents[1]
 # one xdist worker runs this file, and first (`make test`: --dist loadgroup, which queues the
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.xdist_group("sm90_compile")
 @pytest.fixture(scope="module")
 def compiled_rows() -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "moestream.aot", "--json"], env=env,
+    res = subprocess.run([sys.executable, "-m", "moestream.tools.aot", "--json"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -33,7 +33,7 @@ def compiled_rows() -> list[dict]:
 
 
 def label(row: dict) -> str:
-    """The variant a compiled row belongs to (``moestream.aot``'s label after the kernel's
+    """The variant a compiled row belongs to (``moestream.tools.aot``'s label after the kernel's
     ``name[warps, stages]``): "" for the bf16 layer as its staged and fused paths launch it."""
     return row["kernel"].split("]", 1)[1].strip()
 
@@ -299,7 +299,7 @@ def test_sass_loops_and_hash_read_cuobjdump_text():
     # the SASS helpers on a hand-written listing: one loop inside another (only the inner one
     # counts), its MMAs and spills, and a hash that ignores addresses and parameter offsets
     # but not registers
-    from moestream.aot import sass_hash, sass_instructions, sass_loops
+    from moestream.tools.aot import sass_hash, sass_instructions, sass_loops
     text = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
         /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;  /* 0x0 */

@@ -1,4 +1,4 @@
-"""The all_to_all baseline (moestream.baselines.moe_forward_a2a) against the fp32 reference,
+"""The all_to_all baseline (moestream.tools.baselines.moe_forward_a2a) against the fp32 reference,
 on 1, 2 and 4 gloo ranks spawned on the CPU.
 
 Every case's inputs come from a generator seeded by (case, world size): each rank rebuilds
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moestream.baselines import moe_forward_a2a
+from moestream.tools.baselines import moe_forward_a2a
 from moestream.config import MoEConfig
-from moestream.distributed import spawn
+from moestream.tools.distributed import spawn
 from moestream.reference import moe_forward_ranks
 from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
 

@@ -1,4 +1,4 @@
-"""The NVSHMEM baseline (moestream.baselines.torch_symm) against the fp32 reference.
+"""The NVSHMEM baseline (moestream.tools.baselines.torch_symm) against the fp32 reference.
 
 Two halves:
 
@@ -19,8 +19,8 @@ import zlib
 import pytest
 import torch
 
-from moestream.baselines import torch_symm
-from moestream.baselines.torch_symm import (
+from moestream.tools.baselines import torch_symm
+from moestream.tools.baselines.torch_symm import (
     SymmA2AContext,
     SymmA2ALayout,
     SymmUnavailableError,
@@ -489,7 +489,7 @@ def _gpu_main(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def gpu_runs() -> list:
-    from moestream.distributed import spawn
+    from moestream.tools.distributed import spawn
     return spawn(_gpu_main, world_size=WORLD, backend="nccl", timeout_s=600)
 
 

@@ -1,4 +1,4 @@
-"""moestream.trace: the fused kernel's trace rows (interpreter: no clock, so order and
+"""moestream.tools.trace: the fused kernel's trace rows (interpreter: no clock, so order and
 content), the overlap figures on hand-made rows, and the timeline plot."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from moestream import MoEConfig
 from moestream.buffer import SymmBuffer
 from moestream.fused import fused_tuning
-from moestream.trace import (collect_virtual, intervals_union, overlap_length, plot_timeline,
+from moestream.tools.trace import (collect_virtual, intervals_union, overlap_length, plot_timeline,
                              summarize)
 
 from conftest import KERNEL_DEVICES
@@ -82,7 +82,7 @@ def test_per_sm_time_and_gaps():
     assert s["per_sm_us"] == pytest.approx(dict(dispatch=5, L1=12, L2=2.5, combine=0.5,
                                                 idle=7.5))
     assert list(s["per_sm_us"]) == ["dispatch", "L1", "L2", "combine", "idle"]
-    from moestream.cli import _per_sm_cell
+    from moestream.tools.cli import _per_sm_cell
     assert _per_sm_cell(s["per_sm_us"]) == "5 / 12 / 2 / 0 / 8"
 
 
@@ -93,8 +93,8 @@ def test_trace_command_prints_and_saves(monkeypatch, tmp_path, capsys):
 
     import torch
 
-    import moestream.trace as trace
-    from moestream.cli import main
+    import moestream.tools.trace as trace
+    from moestream.tools.cli import main
     us = 1000
     rows = np.array([_row(0, 0, 0, 10 * us), _row(1, 0, 12 * us, 20 * us, m_block=0),
                      _row(2, 0, 25 * us, 30 * us, m_block=0), _row(3, 0, 30 * us, 31 * us),
@@ -156,8 +156,8 @@ def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
     # (run_trace checks it ahead of CUDA, the command ahead of everything else)
     import torch
 
-    from moestream.cli import main
-    from moestream.trace import run_trace
+    from moestream.tools.cli import main
+    from moestream.tools.trace import run_trace
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="Fused.per_sm must be an int >= 1"):
         run_trace(shape="qwen3", tokens=8, tuning={"fused.per_sm": 0})
@@ -170,7 +170,7 @@ def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
 def test_trace_table_cells():
     # `moestream trace` shows each phase's span, its tasks and their median duration; a phase
     # without tasks says so instead of printing a span
-    from moestream.cli import _phase_cell
+    from moestream.tools.cli import _phase_cell
     us = 1000
     rows = np.array([_row(0, 0, 0, 10 * us), _row(0, 0, 2 * us, 5 * us),
                      _row(1, 0, 6 * us, 20 * us)], dtype=np.int64)

@@ -2,7 +2,7 @@
 weight + fp8 re-quantization) and L2 (down projection). The twins of gemm_fp8.py with MXFP4
 weights instead of fp8 128x128 blocks; activations are fp8 exactly as there. The block functions
 take the same arguments as gemm_fp8's (row strides included) so that the layer can swap them
-in; the kernels below are standalone (no waits, no peers; launchers: moestream/fp4.py). The
+in; the kernels below are standalone (no waits, no peers; launchers: moestream/tools/fp4.py). The
 layer's staged L1/L2 (kernels/gemm.py, constexpr W4) call the row-piece forms
 ``l1_fp4w_rows`` / ``l2_fp4w_rows``; the fused launch has no fp4w blocks.
 

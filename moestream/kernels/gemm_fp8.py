@@ -2,7 +2,7 @@
 + SwiGLU x topk weight + fp8 re-quantization) and L2 (down projection). The block functions
 serve the layer (kernels/gemm.py's L1/L2 kernels with FP8, over packed byte rows) and the
 standalone kernels below (separate value and scale tensors, no waits, no peers; launchers:
-moestream/fp8.py). sm_90 compile check: ``python -m moestream.aot --fp8``.
+moestream/tools/fp8.py). sm_90 compile check: ``python -m moestream.tools.aot --fp8``.
 
 Legend (formats: moestream/quant.py, docs/quantization.md):
     pool_x_q [P, H] fp8 e4m3      rows of the pool, P = blocks * BM; block m holds rows
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ._common import DECODE_STORE_EVICT, tl, to_bf16, triton, zero_acc
 
-# quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.fp8
+# quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.tools.fp8
 # asserts they agree; kernels import nothing of ours but _common)
 FP8_MAX = tl.constexpr(448.0)
 FP8_MIN_SCALE = tl.constexpr(1.1754943508222875e-38)   # 2**-126

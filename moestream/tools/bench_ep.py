@@ -1,4 +1,4 @@
-"""Expert-parallel layer benchmark across the GPUs of one node (``moestream.bench`` protocol).
+"""Expert-parallel layer benchmark across the GPUs of one node (``moestream.tools.bench`` protocol).
 
 Providers, measured in the same run on the same inputs:
     staged        ours: mega_moe with one launch per stage (token-granular pull dispatch)
@@ -10,7 +10,7 @@ Providers, measured in the same run on the same inputs:
                   or chunkexpert: whole experts), replayed from CUDA graphs like fused-graph
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
     torch-symm    the same layer with torch's NVSHMEM all_to_all_vdev_2d dispatch and
-                  all_to_all_vdev_2d_offset combine (moestream/baselines/torch_symm.py; no host
+                  all_to_all_vdev_2d_offset combine (moestream/tools/baselines/torch_symm.py; no host
                   sync). NVSHMEM must own the process's symmetric memory, so it runs in its own
                   processes after the others, on the same inputs (same seeds), checked against
                   the torch provider's output.
@@ -125,7 +125,7 @@ def parse_tuning(text: str) -> dict:
     """``"gemm_claim=true,l1.block_n=128"`` -> ``{"gemm_claim": True, "l1.block_n": 128}``:
     ``Tuning`` fields (``Tuning.dotted_names``) with values true/false, none, integers or
     words; checked by building a Tuning with them (its ValueErrors name what is allowed)."""
-    from .tuning import Tuning
+    from ..tuning import Tuning
     names = set(Tuning.dotted_names())
     out: dict = {}
     for item in (t.strip() for t in text.split(",")):
@@ -153,7 +153,7 @@ def parse_tuning(text: str) -> dict:
 
 
 def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
-    from .testing import make_routing, make_tokens
+    from ..testing import make_routing, make_tokens
     out = []
     for _ in range(sets):
         x = make_tokens(T, cfg.hidden, generator=gen, device=device)
@@ -185,7 +185,7 @@ def stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int,
     Returns median_us / p20_us / p80_us of the whole call and ``stages_us``: the median of
     each stage (``staged.STAGES`` order)."""
     from .bench import QUEUE_AHEAD_CYCLES
-    from .staged import STAGES
+    from ..staged import STAGES
 
     for _ in range(warmup):
         call(lambda name: None)
@@ -243,7 +243,7 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     so the timed call starts the way replayed calls do, right behind the previous one on
     every rank, and its stages carry no launch gaps. Each rep: the ranks meet at a barrier,
     replay the graph and read the events. Collective like ``stage_times``; same result keys."""
-    from .staged import STAGES
+    from ..staged import STAGES
 
     def event():
         return torch.cuda.Event(enable_timing=True, external=True)
@@ -273,8 +273,8 @@ def _staged_call(buf, a, weights, mark, overrides: dict | None = None) -> torch.
     topk_weights) as ``_inputs`` makes them (valid and contiguous), with ``mark`` as
     ``run_staged``'s on_stage; ``overrides``: ``Tuning`` fields on top of the call's
     defaults."""
-    from .launch import tuning_for
-    from .staged import run_staged
+    from ..launch import tuning_for
+    from ..staged import run_staged
     x = a[0]
     y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     tuning = None
@@ -294,7 +294,7 @@ def plot_stages(rows: Sequence[dict], path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .staged import STAGES
+    from ..staged import STAGES
 
     rows = [r for r in rows if r.get("stages_us")]
     if not rows:
@@ -343,11 +343,11 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     ``config``: ``MoEConfig`` fields that replace the shape's (block_m, num_experts)."""
     import torch.distributed as dist
 
-    from . import MoEConfig, SymmBuffer, mega_moe
-    from .launch import tuning_for
+    from .. import MoEConfig, SymmBuffer, mega_moe
+    from ..launch import tuning_for
     from .baselines.torch_a2a import moe_forward_a2a
     from .bench import result_row, slowest, time_cuda
-    from .testing import TOLERANCE, quantize_weights, rel_error
+    from ..testing import TOLERANCE, quantize_weights, rel_error
 
     dev = torch.device("cuda", rank)
     rows: list[dict] = []
@@ -540,11 +540,11 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
     memory). One context per token count (its static shapes scale with it). Rank 0's rows."""
     import torch.distributed as dist
 
-    from . import MoEConfig
+    from .. import MoEConfig
     from .baselines.torch_a2a import moe_forward_a2a
     from .baselines.torch_symm import SymmA2AContext, SymmUnavailableError, moe_forward_symm
     from .bench import result_row, slowest, time_cuda
-    from .testing import TOLERANCE, rel_error
+    from ..testing import TOLERANCE, rel_error
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -602,7 +602,7 @@ def run_ep_bench(*, shapes: Sequence[str], tokens: Sequence[int],
     check_providers(providers, tuning)
     config = {**({"block_m": block_m} if block_m is not None else {}),
               **({"num_experts": experts} if experts is not None else {})}
-    from .config import MoEConfig
+    from ..config import MoEConfig
     # every shape's config and its split over the ranks: a ValueError before any spawn
     cfgs = [MoEConfig.from_shape(s, max_tokens_per_rank=max(tokens), **config) for s in shapes]
     world = world or torch.cuda.device_count()

@@ -6,8 +6,8 @@ into compile-only calls) and read the machine code: shared memory, registers, st
 and whether the GEMMs use Hopper's warpgroup MMA (HGMMA in SASS). This catches errors that only
 the GPU compiler sees (the interpreter accepts more), before any GPU time is spent.
 
-    TRITON_INTERPRET=0 python -m moestream.aot [--shape dsv3] [--json] [--loops]
-    TRITON_INTERPRET=0 python -m moestream.aot --fp8 [--block-m 64] [--warps 8] [--json]
+    TRITON_INTERPRET=0 python -m moestream.tools.aot [--shape dsv3] [--json] [--loops]
+    TRITON_INTERPRET=0 python -m moestream.tools.aot --fp8 [--block-m 64] [--warps 8] [--json]
 
 Each kernel's row also carries its innermost SASS loops (``loops``: instructions, MMAs and
 local-memory spill operations per trip; the K loops of the GEMMs) and ``sass_hash``, a hash
@@ -179,7 +179,7 @@ def compile_quant_gemms(*, fmt: str = "fp8", hidden: int = 7168, intermediate: i
                         block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                         num_stages: int = 3, capability: int = 90) -> list[dict]:
     """Compile the standalone quantized GEMMs for sm_90a through their launchers, one dict per
-    kernel (as ``compile_layer``): ``fmt`` "fp8" (moestream.fp8) or "fp4w" (moestream.fp4,
+    kernel (as ``compile_layer``): ``fmt`` "fp8" (moestream.tools.fp8) or "fp4w" (moestream.tools.fp4,
     MXFP4 weights). Their MMAs show as QGMMA, not HGMMA."""
     import torch
 
@@ -220,12 +220,12 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
     ``Tuning`` fields (dotted names), each also compiled (fused path)."""
     import torch
 
-    from .buffer import SymmBuffer
-    from .config import MoEConfig
-    from .fused import run_fused
-    from .staged import run_staged
-    from .testing import make_routing, make_tokens
-    from .tuning import ONE_DOT_L1_STAGES, for_fused, gpu_defaults, in_decode_pieces
+    from ..buffer import SymmBuffer
+    from ..config import MoEConfig
+    from ..fused import run_fused
+    from ..staged import run_staged
+    from ..testing import make_routing, make_tokens
+    from ..tuning import ONE_DOT_L1_STAGES, for_fused, gpu_defaults, in_decode_pieces
 
     compiled: dict[str, tuple] = {}
     label = [""]

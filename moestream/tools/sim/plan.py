@@ -28,8 +28,8 @@ from typing import Literal, Union
 
 import numpy as np
 
-from ..config import MoEConfig
-from ..schedule import expert_waves
+from ...config import MoEConfig
+from ...schedule import expert_waves
 from .calib import Calibration
 from .links import INTER, INTRA, LOCAL, Fabric
 

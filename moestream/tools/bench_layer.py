@@ -45,7 +45,7 @@ Protocol: the weights are the same on every rank (broadcast from rank 0), every
 point first checks that the two variants agree (relative error of the MoE block's output and of
 the layer's output on the same inputs <= 2e-2, the tolerance of the integration's tests, on
 every rank; a point that fails is reported and not timed), then each provider is timed with
-CUDA events (``moestream.bench.time_cuda``: warm-up, median and p20/p80 of ``--reps`` calls,
+CUDA events (``moestream.tools.bench.time_cuda``: warm-up, median and p20/p80 of ``--reps`` calls,
 inputs rotated over 4 sets), every rank timing every call; the slowest rank is reported. The
 first call of each provider (which compiles the kernels) is timed separately and printed.
 Rows are appended as JSON lines to ``--out``; ``--plot`` saves a PNG of time vs tokens per rank.
@@ -92,7 +92,7 @@ def layer_config(family: str, *, experts: int | None = None, tiny: bool = False)
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     if tiny:
-        from .integrations._tiny import tiny_config
+        from ..integrations._tiny import tiny_config
         over = dict(num_hidden_layers=1)
         if family == "qwen3_moe":
             over["mlp_only_layers"] = []
@@ -156,7 +156,7 @@ def _build(family: str, spec: dict, dev, group, world: int):
     import torch.distributed as dist
     import transformers as tf
 
-    from .integrations.transformers import replace_moe_blocks
+    from ..integrations.transformers import replace_moe_blocks
 
     cfg = layer_config(family, experts=spec.get("experts"), tiny=spec.get("tiny", False))
     torch.manual_seed(spec["seed"])
@@ -241,8 +241,8 @@ def bench_layer_worker(rank: int, world: int, spec: dict) -> dict:
 def _bench_family(family, spec, rank, world, dev, group, points, out, say, advance) -> None:
     import torch
 
-    from .integrations.transformers import MegaMoEExperts
-    from .testing import rel_error
+    from ..integrations.transformers import MegaMoEExperts
+    from ..testing import rel_error
 
     tol = spec.get("tol", TOL)
     cfg, model, ours = _build(family, spec, dev, group, world)
@@ -542,7 +542,7 @@ def run_cli(args: argparse.Namespace, console=None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moestream.bench_layer",
+    p = argparse.ArgumentParser(prog="python -m moestream.tools.bench_layer",
                                 description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run_cli(p.parse_args(argv))

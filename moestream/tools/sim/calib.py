@@ -1,6 +1,6 @@
 """Calibration: the measured figures of one machine that the simulator's rates come from.
 
-The numbers live in a JSON file (``moestream/data/calib_h200x2.json`` is the packaged default,
+The numbers live in a JSON file (``moestream/tools/sim/data/calib_h200x2.json`` is the packaged default,
 measured on a 2x H200 pair; see docs/simulator.md). Schema
 (``"schema": "moestream.calib/1"``; every rate is per GPU, GB/s = 1e9 bytes/s)::
 
@@ -14,7 +14,7 @@ measured on a 2x H200 pair; see docs/simulator.md). Schema
                          Triton kernel pulling rows of row_bytes from the peer / from local HBM
     flag_round_trip_us   float  cross-GPU flag ping-pong through symmetric memory
 
-Optional (read by the fused-kernel execution model only, ``moestream.sim.fused``)::
+Optional (read by the fused-kernel execution model only, ``moestream.tools.sim.fused``)::
 
     fused_kernel.l1_tflops_per_sm, .l1_fixed_us    L1 block (BM x 2*BN1 x H): fixed + FLOP/rate
     fused_kernel.l2_tflops_per_sm, .l2_fixed_us    L2 block (BM x BN2 x I): fixed + FLOP/rate
@@ -30,7 +30,7 @@ Optional (read by the fused-kernel execution model only, ``moestream.sim.fused``
     fused_kernel.weight_gbps_per_sm                optional; default hbm_copy_tbps / num_sms
 
 A file without ``fused_kernel`` gets the packaged 2x H200 derivation
-(``moestream/data/calib_h200x2_fused.json``, written by ``python -m moestream.sim.derive``)
+(``moestream/tools/sim/data/calib_h200x2_fused.json``, written by ``python -m moestream.tools.sim.derive``)
 when the fused model asks for it (:meth:`Calibration.fused_kernel`).
 
 Keys such as ``device``, ``source`` and ``note`` are free text and ignored by the model.
@@ -95,7 +95,7 @@ class FusedKernelCalib:
     """Rates of the fused persistent kernel's tasks, per program (one program per SM).
 
     Every figure is derived from kernel traces and micro-benchmarks by
-    ``moestream.sim.derive`` (see docs/simulator.md "The fused-kernel model"). Units: TFLOP/s
+    ``moestream.tools.sim.derive`` (see docs/simulator.md "The fused-kernel model"). Units: TFLOP/s
     per SM, GB/s (1e9 B/s) per program, µs. ``math.inf`` rates are allowed in code to build
     analytic limits.
 
@@ -171,7 +171,7 @@ class FusedKernelCalib:
         missing = [k for k in cls._KEYS if k not in d]
         if missing:
             raise ValueError(f"calibration is missing the key 'fused_kernel.{missing[0]}' "
-                             f"(schema {SCHEMA}: see moestream.sim.calib)")
+                             f"(schema {SCHEMA}: see moestream.tools.sim.calib)")
         fixed = d.get("call_fixed_us", {})
         if not isinstance(fixed, Mapping):
             raise ValueError(f"calibration fused_kernel.call_fixed_us must map family -> µs, "
@@ -274,13 +274,13 @@ class Calibration:
                        else None))
         except KeyError as exc:
             raise ValueError(f"calibration is missing the key {exc.args[0]!r} (schema "
-                             f"{SCHEMA}: see moestream.sim.calib)") from None
+                             f"{SCHEMA}: see moestream.tools.sim.calib)") from None
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "Calibration":
         """Load a calibration JSON file; ``None`` loads the packaged 2x H200 calibration."""
         if path is None:
-            ref = resources.files("moestream") / "data" / DEFAULT_CALIBRATION
+            ref = resources.files("moestream.tools.sim") / "data" / DEFAULT_CALIBRATION
             return cls.from_dict(json.loads(ref.read_text()), path=str(ref))
         p = Path(path)
         if not p.is_file():
@@ -309,10 +309,10 @@ class Calibration:
 
     def fused_kernel(self) -> FusedKernelCalib:
         """The fused-kernel rates: this file's ``fused_kernel`` section, else the packaged
-        2x H200 derivation (``moestream/data/calib_h200x2_fused.json``)."""
+        2x H200 derivation (``moestream/tools/sim/data/calib_h200x2_fused.json``)."""
         if self.fused is not None:
             return self.fused
-        ref = resources.files("moestream") / "data" / FUSED_CALIBRATION
+        ref = resources.files("moestream.tools.sim") / "data" / FUSED_CALIBRATION
         fk = json.loads(ref.read_text()).get("fused_kernel")
         if fk is None:
             raise ValueError(f"the packaged {FUSED_CALIBRATION} has no fused_kernel section")

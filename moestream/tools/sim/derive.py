@@ -2,13 +2,13 @@
 measurements: kernel traces of the fused launch, a ``moestream probe`` file, the standalone
 GEMM sweep and (for the per-call fixed cost only) the 1-token rows of ``moestream bench``.
 
-    python -m moestream.sim.derive \\
+    python -m moestream.tools.sim.derive \\
         --trace tests/data/trace_qwen3_8192_token.json.gz \\
         --trace tests/data/trace_qwen3_8192_128.json.gz \\
         --probe tests/data/calib_probe_quick.json \\
         --gemm-sweep tests/data/gemm_sweep_h200.jsonl \\
         --fixed-rows tests/data/ep_final.jsonl \\
-        --out moestream/data/calib_h200x2_fused.json
+        --out moestream/tools/sim/data/calib_h200x2_fused.json
 
 A trace file (``moestream trace``) is gzip JSON with ``shape``, ``tokens_per_rank``,
 ``granularity`` and ``rows``: int64 [tickets, 8] = phase (0 dispatch, 1 L1, 2 L2, 3 combine),
@@ -52,7 +52,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import SHAPES, MoEConfig
+from ...config import SHAPES, MoEConfig
 from .calib import Calibration, FusedKernelCalib
 from .fused import COMBINE_TILE
 
@@ -329,7 +329,7 @@ def fixed_cost(calib: Calibration, rows: Sequence[dict[str, Any]], *,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moestream.sim.derive",
+    p = argparse.ArgumentParser(prog="python -m moestream.tools.sim.derive",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", action="append", required=True, help="trace .json.gz (repeat)")
     p.add_argument("--probe", required=True, help="calibration JSON (moestream probe)")
@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "provider": u["provider"]} for u in fc["rows"]]
             fk["derivation"]["call_fixed_rows"] = fc["rows"]
             fk["derivation"]["call_fixed_source"] = str(args.fixed_rows)
-        fk["source"] = ("python -m moestream.sim.derive " + " ".join(
+        fk["source"] = ("python -m moestream.tools.sim.derive " + " ".join(
             sys.argv[1:] if argv is None else list(argv)))
         FusedKernelCalib.from_dict(fk)   # the result must load
     except ValueError as exc:

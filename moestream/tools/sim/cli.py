@@ -1,9 +1,9 @@
 """``moestream simulate``: token vs chunk streaming of one MoE layer, on the CPU.
 
 Wire it into the main command with ``add_parser(subparsers)`` (it sets ``func=run``), or run
-it alone: ``python -m moestream.sim.cli --shape dsv3 --ranks 64 --tokens 128 --link rdma``.
+it alone: ``python -m moestream.tools.sim.cli --shape dsv3 --ranks 64 --tokens 128 --link rdma``.
 ``--validate ROWS.jsonl`` compares the model with measured ``moestream bench`` rows instead
-(``moestream.sim.validate``).
+(``moestream.tools.sim.validate``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Sequence
 
-from ..config import SHAPES
+from ...config import SHAPES
 from ..terminal import nonnegative_int, positive_int
 
 __all__ = ["add_parser", "add_arguments", "run", "run_validate", "main", "parse_chunks"]
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison the arguments describe; print the table. Returns an exit status."""
     from ..terminal import console as make_console
 
-    from ..config import MoEConfig
+    from ...config import MoEConfig
     from .calib import Calibration
     from .model import compare
 
@@ -203,7 +203,7 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moestream.sim.cli", description=_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m moestream.tools.sim.cli", description=_DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .config import SHAPES, MoEConfig
+from ..config import SHAPES, MoEConfig
 
 __all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
            "routing_floors", "expected_touched_experts", "result_row", "append_rows",
@@ -338,7 +338,7 @@ def _commit() -> str | None:
     .git), else git's short hash of this checkout, "-dirty" when moestream/ has changes."""
     if os.environ.get("MOESTREAM_COMMIT"):
         return os.environ["MOESTREAM_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,

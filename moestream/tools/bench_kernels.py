@@ -14,13 +14,13 @@ from typing import Iterable
 
 import torch
 
-from . import staged
+from .. import staged
 from .bench import result_row, time_cuda
-from .buffer import SymmBuffer
-from .config import MoEConfig
-from .launch import tuning_for
-from .testing import make_tokens, quantize_weights
-from .tuning import Tuning
+from ..buffer import SymmBuffer
+from ..config import MoEConfig
+from ..launch import tuning_for
+from ..testing import make_tokens, quantize_weights
+from ..tuning import Tuning
 
 __all__ = ["GemmVariant", "VARIANTS", "bench_gemm", "l2_error", "picks_per_token",
            "uniform_routing"]
@@ -114,7 +114,7 @@ def _row(shape, R, M, E, provider, kernel, t, flops, byts, dtype="bf16", **extra
 def _l1_error(buf: SymmBuffer, cfg: MoEConfig, w13: torch.Tensor, packed: torch.Tensor, M: int,
               e_loc: int) -> float:
     """Our L1 output on rank 0 against torch: silu(gate) * up * weight, per pool row."""
-    from .testing import rel_error
+    from ..testing import rel_error
     I = cfg.intermediate
     offs = torch.arange(1, e_loc + 1, device=packed.device, dtype=torch.int32) * M
     h = torch._grouped_mm(packed, w13.transpose(-2, -1), offs=offs).float()
@@ -129,8 +129,8 @@ def _l1_error(buf: SymmBuffer, cfg: MoEConfig, w13: torch.Tensor, packed: torch.
 def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> float:
     """Our fp8 L1 output on rank 0 (dequantized) against fp32 math on the same fp8 bytes:
     silu(x @ gate^T) * (x @ up^T) * weight, x and w dequantized."""
-    from .quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
-    from .testing import rel_error
+    from ..quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    from ..testing import rel_error
     H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
     bs = buf.view("block_start", 0).tolist()
     rows = torch.cat([torch.arange(bs[e] * BM, bs[e] * BM + M)
@@ -155,8 +155,8 @@ def l2_error(buf: SymmBuffer, cfg: MoEConfig, w2, *, rank: int = 0) -> float:
     slot the row was written to (``pool_src``: source rank * T_MAX * K + token * K + k, on the
     source rank's buffer). Any routing; ``buf`` virtual (every rank local). A row the L2 did
     not write, or wrote to the wrong slot, shows up as a large error."""
-    from .quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
-    from .testing import rel_error
+    from ..quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    from ..testing import rel_error
     H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
     slots = cfg.max_tokens_per_rank * cfg.top_k
     counts = buf.view("expert_count", rank).tolist()
@@ -190,7 +190,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             experts_per_rank * virtual_ranks so that the weights fit one GPU).
         virtual_ranks: R; the L1/L2 launches cover all R pools.
     """
-    from .config import SHAPES
+    from ..config import SHAPES
     device = torch.device(device)
     names = list(variants) if variants else list(VARIANTS)
     dims = SHAPES[shape]

@@ -65,8 +65,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import MoEConfig
-from ..schedule import expert_waves
+from ...config import MoEConfig
+from ...schedule import expert_waves
 from .calib import Calibration, FusedKernelCalib
 from .engine import union_length
 from .links import INTER, Fabric

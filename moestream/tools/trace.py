@@ -27,7 +27,7 @@ PHASE, RANK, A, B, C, SM, START, END = range(8)
 
 
 def _trace_buffer(buffer, tuning, device) -> torch.Tensor:
-    from .fused import max_tickets
+    from ..fused import max_tickets
     return torch.full((max_tickets(buffer, tuning), 8), -1, dtype=torch.int64, device=device)
 
 
@@ -42,9 +42,9 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
     weights; ``tokens[r]`` tokens on rank r, after one untraced warm-up call).
 
     Returns int64 [tickets, 8] trace rows (columns as the module docstring lists)."""
-    from .buffer import SymmBuffer
-    from .fused import fused_tuning, run_fused
-    from .testing import make_routing, make_tokens, make_weights
+    from ..buffer import SymmBuffer
+    from ..fused import fused_tuning, run_fused
+    from ..testing import make_routing, make_tokens, make_weights
     if len(tokens) != ranks:
         raise ValueError(f"tokens must list one count per rank ({ranks}), got {list(tokens)}")
     g = torch.Generator().manual_seed(seed)
@@ -77,10 +77,10 @@ def _trace_worker(rank: int, world: int, shape: str, tokens: int, granularity, s
 
     import torch.distributed as dist
 
-    from . import MoEConfig, SymmBuffer, mega_moe
-    from .fused import fused_tuning, run_fused
-    from .launch import tuning_for
-    from .testing import make_routing, make_tokens
+    from .. import MoEConfig, SymmBuffer, mega_moe
+    from ..fused import fused_tuning, run_fused
+    from ..launch import tuning_for
+    from ..testing import make_routing, make_tokens
     dev = torch.device("cuda", rank)
     cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens, 1))
     g = torch.Generator().manual_seed(seed + 17 * rank)
@@ -122,7 +122,7 @@ def run_trace(*, shape: str, tokens: int, world: int | None = None,
     (dotted names) on top of the fused launch's defaults (``tuning.select``; e.g.
     ``{"fused.wave_blocks": 264}``). Returns every rank's rows, stacked."""
     from .distributed import spawn
-    from .tuning import Tuning
+    from ..tuning import Tuning
     Tuning().with_dotted(tuning or {})   # a bad field or value fails here, before any spawn
     if not torch.cuda.is_available():
         raise ValueError("moestream trace needs CUDA GPUs (the interpreter has no clock)")

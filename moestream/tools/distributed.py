@@ -218,7 +218,7 @@ def init_from_env(*, backend: str | None = None,
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise ValueError(f"init_from_env needs {var} in the environment (run under torchrun "
-                             f"or use moestream.distributed.spawn)")
+                             f"or use moestream.tools.distributed.spawn)")
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     device = torch.device("cpu")
     if backend == "nccl":

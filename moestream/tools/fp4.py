@@ -1,6 +1,6 @@
 """Launchers of the standalone MXFP4-weight ("fp4w") grouped GEMMs (moestream/kernels/gemm_fp4.py:
 formats, legend, numerics). Activations are fp8 e4m3 with one fp32 scale per row per 128
-channels, exactly as in moestream.fp8; weights are MXFP4 as ``quant.convert_expert_weights_mxfp4``
+channels, exactly as in moestream.tools.fp8; weights are MXFP4 as ``quant.convert_expert_weights_mxfp4``
 writes them. One launch per GEMM over a pool of block_m-row blocks described by block_meta
 (expert * 512 + valid_m, ``fp8.pack_block_meta``); the layer (MoEConfig dtype "fp4w") runs the
 same row functions inside its own kernels. Works on the CPU (Triton's interpreter) and on GPUs
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .checks import MAX_E8M0 as CHECKED_E8M0, check_e8m0_codes
+from ..checks import MAX_E8M0 as CHECKED_E8M0, check_e8m0_codes
 from .fp8 import (_act_out, _check_meta, _dims, _launch_kw, _pool_blocks, _pow2, _tensor,
                   _y_out, pack_block_meta)
-from .kernels._common import INTERPRET
-from .kernels.gemm_fp4 import ACT_GROUP, MAX_E8M0, MX_BLOCK, l1_fp4w_kernel, l2_fp4w_kernel
-from .quant import FP8_BLOCK, MXFP4_BLOCK
+from ..kernels._common import INTERPRET
+from ..kernels.gemm_fp4 import ACT_GROUP, MAX_E8M0, MX_BLOCK, l1_fp4w_kernel, l2_fp4w_kernel
+from ..quant import FP8_BLOCK, MXFP4_BLOCK
 
 __all__ = ["l1_fp4w", "l2_fp4w", "pack_block_meta"]
 

@@ -4,14 +4,14 @@ CPU only, numpy only (no torch). Entry points:
 
 - :func:`simulate` one call (shape, ranks, tokens, link, granularity) -> :class:`SimResult`
   (the stream model) or, with ``execution="fused"``, :class:`FusedResult` (the fused-kernel
-  model of ``moestream.sim.fused``: the project's fused launch as built);
+  model of ``moestream.tools.sim.fused``: the project's fused launch as built);
 - :func:`compare` token granularity against chunk sizes on one routing -> :class:`Comparison`;
 - :class:`Calibration` (measured rates, JSON), :class:`Link` / :class:`Fabric` /
   :func:`make_fabric` (the links between ranks);
 - :func:`validate` the models against measured ``moestream bench`` rows
-  (``moestream.sim.validate``);
-- ``python -m moestream.sim.derive``: the fused-kernel calibration from kernel traces;
-- ``moestream.sim.cli``: the ``moestream simulate`` command (``add_parser`` / ``run``).
+  (``moestream.tools.sim.validate``);
+- ``python -m moestream.tools.sim.derive``: the fused-kernel calibration from kernel traces;
+- ``moestream.tools.sim.cli``: the ``moestream simulate`` command (``add_parser`` / ``run``).
 
 The model, its assumptions and the calibration schema are described in docs/simulator.md.
 """

@@ -1,7 +1,7 @@
 """The simulator against measurements: predict every measured layer call and compare.
 
 ``validate(rows)`` takes result rows as ``moestream bench`` writes them (JSON lines, one per
-(provider, shape, ranks, tokens per rank); see ``moestream.bench``), simulates each
+(provider, shape, ranks, tokens per rank); see ``moestream.tools.bench``), simulates each
 (shape, ranks, tokens_per_rank, routing) with the streaming mode its provider runs, and returns
 one row per measured row with the measured and predicted time.
 
@@ -23,9 +23,9 @@ provider name                   granularity         flag
 ==============================  ==================  ============================================
 
 Which model predicts a row (``execution``): ``"auto"`` (default) runs the fused-kernel model
-(``moestream.sim.fused``: the project's fused launch as built, task rates from kernel traces,
+(``moestream.tools.sim.fused``: the project's fused launch as built, task rates from kernel traces,
 plus the calibrated per-call fixed cost of CUDA-graph replays) for the fused and chunked
-providers, and the stream model (``moestream.sim.model``: dedicated comm SMs, standalone
+providers, and the stream model (``moestream.tools.sim.model``: dedicated comm SMs, standalone
 grouped-GEMM rates, no fixed cost) for the staged ones; ``"stream"`` or ``"fused"`` force one
 model for every row. Rows the fixed cost was calibrated on (the calibration's
 ``fused_kernel.calibration_points``) are marked ``calibration_point`` and left out of the
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..config import SHAPES, MoEConfig
+from ...config import SHAPES, MoEConfig
 from .calib import Calibration
 from .plan import Granularity, granularity_label, parse_granularity
 
@@ -195,7 +195,7 @@ def validate(rows: Iterable[Mapping[str, Any]], *, calib: Calibration | str | Pa
             optional routing ("uniform" / "skewed"), skew, dtype). Rows ``skip_reason``
             rejects (torch baselines, unknown shapes, ...) are left out.
         calib: a Calibration or the path of a calibration JSON (default: packaged 2x H200).
-        link, comm_sms, gemm, seed, dispatch_order: as for ``moestream.sim.simulate``.
+        link, comm_sms, gemm, seed, dispatch_order: as for ``moestream.tools.sim.simulate``.
         skew: the hot expert's share of picks for skewed rows that do not record theirs.
         execution: ``"auto"`` (fused-kernel model for fused / chunked providers, stream model
             for staged ones), ``"stream"`` or ``"fused"`` (one model for every row).

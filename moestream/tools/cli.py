@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Sequence
 
-from .config import SHAPES
+from ..config import SHAPES
 from .terminal import (MissingExtraError, console as _console, names_from, nonnegative_int,
                        nonnegative_ints, positive_int, positive_ints, print_table, progress)
 
@@ -31,10 +31,10 @@ def _run_worker(rank: int, world: int, cfg_dict: dict, T: int, seed: int, provid
     """One rank of `moestream run`: returns (rank, rel error vs reference, seconds)."""
     import torch
 
-    from . import MoEConfig, SymmBuffer, mega_moe
+    from .. import MoEConfig, SymmBuffer, mega_moe
     from .baselines.torch_a2a import moe_forward_a2a
-    from .reference import moe_forward
-    from .testing import make_routing, make_tokens, make_weights, rel_error
+    from ..reference import moe_forward
+    from ..testing import make_routing, make_tokens, make_weights, rel_error
     import torch.distributed as dist
 
     cfg = MoEConfig(**cfg_dict)
@@ -73,9 +73,9 @@ def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
     reference."""
     import torch
 
-    from . import SymmBuffer, mega_moe_virtual
-    from .reference import moe_forward_ranks
-    from .testing import make_routing, make_tokens, make_weights, quantize_weights, rel_error
+    from .. import SymmBuffer, mega_moe_virtual
+    from ..reference import moe_forward_ranks
+    from ..testing import make_routing, make_tokens, make_weights, quantize_weights, rel_error
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w13s, w2s = make_weights(cfg, R, generator=torch.Generator().manual_seed(seed), device=dev)
     if cfg.fp8_tokens:
@@ -103,9 +103,9 @@ def _run_virtual(cfg, R: int, T: int, seed: int, *, impl: str = "staged",
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from . import MoEConfig
+    from .. import MoEConfig
     from .distributed import spawn
-    from .testing import TOLERANCE
+    from ..testing import TOLERANCE
 
     con = _console()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -176,8 +176,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     import torch
     from rich.table import Table
 
-    from . import __version__
-    from .kernels._common import INTERPRET, triton
+    from .. import __version__
+    from ..kernels._common import INTERPRET, triton
 
     con = _console()
     t = Table(title="moestream check")
@@ -289,7 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print_table(rows, title="moestream bench", columns=cols, console=con)
     staged = [r for r in rows if r.get("stages_us")]
     if staged:
-        from .staged import STAGES
+        from ..staged import STAGES
         print_table([{**r, **{f"{n} µs": r["stages_us"].get(n) for n in STAGES}} for r in staged],
                     title="staged call, GPU time per stage (slowest rank)",
                     columns=["shape", "tokens_per_rank", "provider", "median_us"]
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--experts-per-rank", type=positive_int, default=32,
                    help="GEMM bench: experts per virtual rank")
     b.add_argument("--variants", type=lambda v: [x for x in v.split(",") if x], default=None,
-                   help="GEMM bench: moestream.bench_kernels.VARIANTS names (default all)")
+                   help="GEMM bench: moestream.tools.bench_kernels.VARIANTS names (default all)")
     b.add_argument("--reps", type=positive_int, default=20, help="timed calls per point")
     b.add_argument("--out", default=None,
                    help="results file (default benchmarks/results/<machine>/<bench>.jsonl)")

@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..checks import check_expert_weights, check_routing, check_tensor, check_topk_range
+from ...checks import check_expert_weights, check_routing, check_tensor, check_topk_range
 from .torch_a2a import _expert_mm, _has_grouped_mm
 
 __all__ = ["ID_COLUMNS", "OP_MAX_EXPERT_GROUPS", "OP_MAX_RANKS", "SymmA2AContext",
@@ -295,7 +295,7 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("torch-symm needs an initialised process group (call "
                          "torch.distributed.init_process_group, or use "
-                         "moestream.distributed.spawn / init_from_env)")
+                         "moestream.tools.distributed.spawn / init_from_env)")
     return dist.get_world_size(group), dist.get_rank(group)
 
 

@@ -11,7 +11,7 @@ grouped-GEMM rate at the expert's row count. Finished rows go back to their sour
 messages, and each source reduces its tokens' top-k rows. The slowest rank sets the layer time.
 
 ``simulate(..., execution="fused")`` runs the fused-kernel model instead
-(``moestream.sim.fused``: the project's fused launch as built, no comm SMs, rates from traces).
+(``moestream.tools.sim.fused``: the project's fused launch as built, no comm SMs, rates from traces).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import SHAPES, MoEConfig
+from ...config import SHAPES, MoEConfig
 from .calib import Calibration
 from .engine import Timeline, run_plan, union_length
 from .gemm import schedule_gemm
@@ -166,7 +166,7 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
             (its block_m sets the GEMM blocks' rows).
         ranks: expert-parallel ranks R (num_experts must divide by it).
         tokens_per_rank: tokens T on every rank (default with config=: its max_tokens_per_rank).
-        link: a kind of ``moestream.sim.links.LINK_KINDS`` or a Fabric.
+        link: a kind of ``moestream.tools.sim.links.LINK_KINDS`` or a Fabric.
         granularity: ``"token"``, a chunk size C (tokens per message) or ``"expert"``.
         comm_sms: SMs reserved for transfers and the reduce; the rest run GEMMs.
         calib: rates (default: the packaged 2x H200 calibration).
@@ -177,8 +177,8 @@ def simulate(*, shape: str | None = None, config: MoEConfig | None = None, ranks
             ``"source"`` (source rank by source rank).
         gpus_per_node: NVLink domain size of the ``rdma`` fabric.
         execution: ``"stream"`` (this module's model: dedicated comm SMs, GEMMs at the
-            grouped-GEMM curve) or ``"fused"`` (``moestream.sim.fused``: the project's fused
-            kernel as built; returns a :class:`~moestream.sim.fused.FusedResult`, and
+            grouped-GEMM curve) or ``"fused"`` (``moestream.tools.sim.fused``: the project's fused
+            kernel as built; returns a :class:`~moestream.tools.sim.fused.FusedResult`, and
             ``comm_sms``, ``gemm`` and ``dispatch_order`` do not apply).
         family: fused execution only: the per-call fixed cost added (``"graph"``, ``"none"``).
         programs: fused execution only: programs per rank (default one per SM).

@@ -1,4 +1,4 @@
-"""The vectorised engine: event times of a :class:`~moestream.sim.plan.Plan` without a heap.
+"""The vectorised engine: event times of a :class:`~moestream.tools.sim.plan.Plan` without a heap.
 
 Every resource is a server that takes its work in a fixed order (a port's queue, the SMs'
 ticket counter, the reduce loop), so its event times follow Lindley's recursion

@@ -1,6 +1,6 @@
 """Markdown tables of token vs chunk comparisons (the tables in docs/simulator.md).
 
-``python -m moestream.sim.report --shape dsv3 --tokens 128`` prints the EP8/EP64/EP256 x
+``python -m moestream.tools.sim.report --shape dsv3 --tokens 128`` prints the EP8/EP64/EP256 x
 nvlink/rdma/nvl72 grid; every number is model output.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def grid(*, shape: str, tokens_per_rank: int, ranks: Sequence[int] = (8, 64, 256
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moestream.sim.report", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m moestream.tools.sim.report", description=__doc__)
     p.add_argument("--shape", default="dsv3")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--ranks", default="8,64,256")
