@@ -11,11 +11,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.4.6
 GPU_PY ?= python3
-# the GEMM bench's variants (moestream.tools.bench_kernels.VARIANTS); layer-call: what the layer runs
+# the GEMM bench's variants (moestream.tools.bench_kernels.VARIANTS); layer-call: what the
+# layer runs
 GEMM_VARIANTS ?= layer-call
 MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.tools.cli
 ONE_GPU_TOKENS ?= 1,8,64,512,2048,8192
-ONE_GPU_PROVIDERS ?= staged-graph,fused-graph,fp8-staged-graph,fp8-fused-graph,torch
+ONE_GPU_DTYPES ?= bf16,fp8
 
 .PHONY: install run test test-gpu bench bench-one-gpu bench-gemm performance check clean
 
@@ -55,9 +56,9 @@ bench:
 # dsv3 and v4flash with 32 experts (one EP8 rank's share): <gpu>/layer.jsonl
 bench-one-gpu:
 	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(MOESTREAM) bench --shapes qwen3,mixtral \
-		--tokens $(ONE_GPU_TOKENS) --providers $(ONE_GPU_PROVIDERS) --no-plot
+		--tokens $(ONE_GPU_TOKENS) --dtype $(ONE_GPU_DTYPES) --no-plot
 	CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES:-0} $(MOESTREAM) bench --shapes dsv3,v4flash \
-		--experts 32 --tokens $(ONE_GPU_TOKENS) --providers $(ONE_GPU_PROVIDERS) --no-plot
+		--experts 32 --tokens $(ONE_GPU_TOKENS) --dtype $(ONE_GPU_DTYPES) --no-plot
 
 # the grouped GEMMs as the layer launches them vs torch._grouped_mm: <gpu>/gemm.jsonl
 bench-gemm:

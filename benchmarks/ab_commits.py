@@ -10,7 +10,7 @@ hand it to the device tool's ``carry``, e.g. carry=["benchmarks/.ab"]):
 On the device machine (the arguments after ``--`` go to ``moestream bench``, without --out):
 
     python3 benchmarks/ab_commits.py run --base 9ca2c9d --out $OUT/ab.jsonl -- \\
-        --shapes qwen3,dsv3 --tokens 2048,8192 --providers staged-graph,fused-graph
+        --shapes qwen3,dsv3 --tokens 2048,8192 --impl staged,fused
 
 Each base run starts in the base's own folder: ``python -m`` puts the current directory
 first on sys.path, so PYTHONPATH alone would import the working tree's package. Every run

@@ -51,7 +51,7 @@ if has quant; then
 fi
 if has ep; then
   MOESTREAM_EP_PARTIAL="$OUT/ep_partial.jsonl" timeout ${EP_TIMEOUT:-200} python3 -m moestream.tools.cli bench --shapes ${EP_SHAPES:-dsv3,qwen3} \
-    --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_PROVIDERS:+--providers $EP_PROVIDERS} \
+    --tokens ${EP_TOKENS:-1,128,2048,8192} ${EP_DTYPE:+--dtype $EP_DTYPE} ${EP_IMPL:+--impl $EP_IMPL} \
     ${EP_TUNING:+--tuning $EP_TUNING} ${EP_BLOCK_M:+--block-m $EP_BLOCK_M} ${EP_SKEW:+--skew $EP_SKEW} \
     --out "$OUT/ep_h200x2.jsonl" --plot "$OUT/ep_h200x2.png" \
     2>&1 | tee "$OUT/ep.log" | tail -40

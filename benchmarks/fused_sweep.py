@@ -5,8 +5,8 @@ the fused launch's default for the call (``tuning.select``), written as ``NAME:f
 (the ``--tuning`` syntax of ``moestream bench``). Two names are built in: ``default`` (no
 overrides) and ``staged`` (the staged path with its own default, for reference in the same
 process). Every point is checked against the first variant's output (bf16 tolerance) before
-it is timed as CUDA-graph replays (``moestream.tools.bench`` protocol: warm-up, median of >= 20 calls,
-inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: many variants
+it is timed as CUDA-graph replays (``moestream.tools.bench`` protocol: warm-up, median of >= 20
+calls, inputs rotated over 4 sets, slowest rank). One process, one buffer per shape: many variants
 cost one start-up.
 
     python benchmarks/fused_sweep.py --shapes qwen3,dsv3 --tokens 1,128 \
@@ -22,8 +22,8 @@ BUILT_IN = ("default", "staged")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``"wave264:fused.wave_blocks=264"`` -> ``("wave264", {"fused.wave_blocks": 264})``; the built-in
-    names take no overrides. ValueError for a malformed variant or an unknown field."""
+    """``"wave264:fused.wave_blocks=264"`` -> ``("wave264", {"fused.wave_blocks": 264})``; the
+    built-in names take no overrides. ValueError for a malformed variant or an unknown field."""
     from moestream.tools.bench_ep import parse_tuning
     name, colon, spec = text.partition(":")
     name = name.strip()

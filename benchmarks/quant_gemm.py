@@ -1,6 +1,6 @@
-"""Standalone quantized grouped GEMMs on one GPU: the fp8 kernels (moestream.tools.fp8) and the MXFP4-
-weight kernels (moestream.tools.fp4) over the same pool, the benchmarks' timing (CUDA events, warm-up,
-median of 20), one JSON row per (shape, format, kernel, tokens per expert).
+"""Standalone quantized grouped GEMMs on one GPU: the fp8 kernels (moestream.tools.fp8) and the
+MXFP4-weight kernels (moestream.tools.fp4) over the same pool, the benchmarks' timing (CUDA
+events, warm-up, median of 20), one JSON row per (shape, format, kernel, tokens per expert).
 
     PYTHONPATH=. python3 benchmarks/quant_gemm.py --out rows.jsonl [--shapes dsv3,qwen3]
 

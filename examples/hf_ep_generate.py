@@ -12,7 +12,7 @@ text (or token ids). Every MoE layer's forward is a collective call, so ``genera
 The default model is a tiny random-weight Qwen3-MoE (nothing downloaded; fp32 outside the
 experts); for it each rank also runs the original model first and reports whether the greedy
 tokens are the same (a token may flip where two candidates are nearly tied: see
-tests/test_integrations_multigpu.py). Without torchrun it runs one rank: every expert in this
+tests/multigpu/test_integrations_multigpu.py). Without torchrun it runs one rank: every expert in this
 process, on the GPU if there is one, else on the CPU in Triton's interpreter (about 10 s).
 """
 from __future__ import annotations

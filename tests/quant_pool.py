@@ -1,5 +1,5 @@
-"""What the standalone fp8 and MXFP4-weight GEMM tests share (tests/test_gemm_fp8.py,
-tests/test_gemm_fp4.py): a pool of fp8 rows with garbage padding, the block table, and the
+"""What the standalone fp8 and MXFP4-weight GEMM tests share (tests/kernels/test_gemm_fp8.py,
+tests/kernels/test_gemm_fp4.py): a pool of fp8 rows with garbage padding, the block table, and the
 checks of a re-quantized activation and of L2 rows against fp64 (their tolerances are written
 down in those files' docstrings)."""
 from __future__ import annotations

@@ -64,7 +64,7 @@ MX_BLOCK = tl.constexpr(32)     # K elements per E8M0 weight scale: one dot
 # ---- device helpers -------------------------------------------------------------------------
 
 # e4m3 holds every e2m1 value times 2**-6 at the same bit positions (shown by the table below,
-# checked for all 16 codes in tests/test_gemm_fp4.py); the kernels give the 2**6 back through
+# checked for all 16 codes in tests/kernels/test_gemm_fp4.py); the kernels give the 2**6 back through
 # the activation scale (exact: a power of two, and an fp8 activation scale is at most 2**120)
 # and e8m0_twice's factor 2 with it: 2**6 / 2 = 32
 DECODE_SHIFT = tl.constexpr(32.0)

@@ -179,8 +179,8 @@ def compile_quant_gemms(*, fmt: str = "fp8", hidden: int = 7168, intermediate: i
                         block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                         num_stages: int = 3, capability: int = 90) -> list[dict]:
     """Compile the standalone quantized GEMMs for sm_90a through their launchers, one dict per
-    kernel (as ``compile_layer``): ``fmt`` "fp8" (moestream.tools.fp8) or "fp4w" (moestream.tools.fp4,
-    MXFP4 weights). Their MMAs show as QGMMA, not HGMMA."""
+    kernel (as ``compile_layer``): ``fmt`` "fp8" (moestream.tools.fp8) or "fp4w"
+    (moestream.tools.fp4, MXFP4 weights). Their MMAs show as QGMMA, not HGMMA."""
     import torch
 
     from .fp8 import pack_block_meta

@@ -1,4 +1,6 @@
-"""Expert-parallel layer benchmark across the GPUs of one node (``moestream.tools.bench`` protocol).
+"""Expert-parallel layer benchmark across the GPUs of one node (``moestream.tools.bench``
+protocol). The CLI composes the provider names below from --impl, --dtype, --graph,
+--granularity, --per-stage, --tuning and --baselines (``compose_providers``).
 
 Providers, measured in the same run on the same inputs:
     staged        ours: mega_moe with one launch per stage (token-granular pull dispatch)
@@ -10,8 +12,8 @@ Providers, measured in the same run on the same inputs:
                   or chunkexpert: whole experts), replayed from CUDA graphs like fused-graph
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
     torch-symm    the same layer with torch's NVSHMEM all_to_all_vdev_2d dispatch and
-                  all_to_all_vdev_2d_offset combine (moestream/tools/baselines/torch_symm.py; no host
-                  sync). NVSHMEM must own the process's symmetric memory, so it runs in its own
+                  all_to_all_vdev_2d_offset combine (moestream/tools/baselines/torch_symm.py;
+                  no host sync). NVSHMEM must own the process's symmetric memory, so it runs in its own
                   processes after the others, on the same inputs (same seeds), checked against
                   the torch provider's output.
     fp8-staged    ours in fp8 (MoEConfig dtype "fp8", weights quantized from the same bf16
@@ -66,7 +68,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "graph_stage_times", "plot_stages",
-           "parse_tuning"]
+           "parse_tuning", "compose_providers", "PROVIDERS", "BASELINES"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
@@ -119,6 +121,47 @@ def check_providers(providers: Sequence[str], tuning: dict | None = None) -> Non
     if tuned and not tuning:
         raise ValueError(f"{tuned} need Tuning overrides (tuning=, CLI --tuning "
                          "name=value,...); without them they equal staged-graph")
+
+
+BASELINES = ("torch", "torch-symm")
+
+
+def compose_providers(*, impl: Sequence[str] = ("staged", "fused"),
+                      dtype: Sequence[str] = ("bf16",), graph: bool = True,
+                      granularity: Sequence[int | str] = ("token",), per_stage: bool = False,
+                      tuned: bool = False,
+                      baselines: Sequence[str] = ("torch",)) -> tuple[list[str], list[str]]:
+    """The providers of a composed selection (the CLI's --impl, --dtype, --graph,
+    --granularity, --per-stage, --tuning, --baselines): every (dtype, impl, granularity) the
+    layer runs, plus the tuned form of each when ``tuned``, then the baselines.
+
+    Returns (providers, skipped): ``skipped`` names each asked-for combination the layer or
+    this benchmark does not run (fp4w fused, chunked staged, fp8 chunked, per-stage fused,
+    chunked without graphs, ...). ValueError when nothing of ours or the baselines is left."""
+    names, skipped = [], []
+    for fmt in dtype:
+        pfx = "" if fmt == "bf16" else fmt + "-"
+        for im in impl:
+            for gran in granularity:
+                what = f"{fmt} {im} granularity={gran}" + (" per stage" if per_stage else "") \
+                    + ("" if graph else " without graphs")
+                if gran != "token" and im == "staged":
+                    continue   # granularity is the fused launch's streaming mode
+                if gran != "token":
+                    name = f"chunk{gran}" if fmt == "bf16" and graph and not per_stage else None
+                else:
+                    name = pfx + im + ("-graph" if graph else "") + ("-stages" if per_stage else "")
+                forms = [name] if name in PROVIDERS or (name and name.startswith("chunk")) else []
+                if forms and tuned:
+                    t = name.replace("-graph", "-tuned-graph", 1)
+                    forms.append(t) if t in PROVIDERS else skipped.append(what + " tuned")
+                names += [n for n in forms if n not in names]
+                if not forms:
+                    skipped.append(what)
+    names += [b for b in baselines if b not in names]
+    if not names:
+        raise ValueError(f"no provider runs this selection: {'; '.join(skipped)}")
+    return names, skipped
 
 
 def parse_tuning(text: str) -> dict:

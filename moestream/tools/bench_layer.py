@@ -65,7 +65,7 @@ _BASE_PROVIDERS = ("transformers", "transformers-eager", "moestream")
 # transformers' eager experts loop synchronises with the host (nonzero): it has no graph form
 PROVIDERS = _BASE_PROVIDERS + ("transformers-graph", "moestream-graph")
 DEFAULT_PROVIDERS = ("transformers", "moestream")
-TOL = 2e-2        # the integration tests' bf16 tolerance (tests/test_integrations_transformers.py)
+TOL = 2e-2        # the integration tests' bf16 tolerance (tests/layer/test_integrations_transformers.py)
 INPUT_SETS = 4
 _VOCAB = 256
 _MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -515,7 +515,7 @@ def run_cli(args: argparse.Namespace, console=None) -> int:
     con = console or make_console()
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         con.print("[red]moestream bench-layer needs CUDA GPUs[/] (none visible); the CPU tests "
-                  "(tests/test_integrations_transformers.py) cover its code on tiny models")
+                  "(tests/layer/test_integrations_transformers.py) cover its code on tiny models")
         return 2
     try:
         import transformers  # noqa: F401

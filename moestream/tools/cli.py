@@ -260,15 +260,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cols = ["shape", "kernel", "tokens_per_expert", "provider", "median_us",
                 "tflops_per_gpu", "weight_tbps", "efficiency"]
     else:
-        from .bench_ep import parse_tuning, run_ep_bench
+        from .bench_ep import compose_providers, parse_tuning, run_ep_bench
         try:
             tuning = parse_tuning(args.tuning)
         except ValueError as e:
             con.print(f"[red]--tuning: {e}[/]")
             return 2
         try:
+            providers, skipped = compose_providers(
+                impl=args.impl, dtype=args.dtype, graph=args.graph, granularity=args.granularity,
+                per_stage=args.per_stage, tuned=bool(tuning), baselines=args.baselines)
+        except ValueError as e:
+            con.print(f"[red]{e}[/]")
+            return 2
+        if skipped:
+            con.print(f"[yellow]not run (no such path): {'; '.join(skipped)}[/]")
+        con.print(f"providers: {', '.join(providers)}")
+        try:
             rows = run_ep_bench(shapes=args.shapes, tokens=args.tokens,
-                                providers=args.providers, reps=args.reps, skew=args.skew,
+                                providers=providers, reps=args.reps, skew=args.skew,
                                 tuning=tuning, block_m=args.block_m, experts=args.experts)
         except ValueError as e:
             con.print(f"[red]{e}[/]")
@@ -411,21 +421,19 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
 
 # ---- entry --------------------------------------------------------------------------------
 
-def _providers_arg(text: str) -> list[str]:
-    from .bench_ep import check_providers
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    try:
-        check_providers(names, tuning={"any": True})   # tuned ones are checked with --tuning
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not names:
-        raise argparse.ArgumentTypeError("expected comma-separated provider names")
-    return names
+def _granularities_arg(text: str) -> list[int | str]:
+    items = [_granularity_arg(v.strip()) for v in text.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected token, expert or chunk sizes, comma list")
+    return items
+
+
+def _baselines_arg(text: str) -> list[str]:
+    from .bench_ep import BASELINES
+    return [] if text.strip() == "none" else names_from(BASELINES)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench_ep import PROVIDERS
-
     shapes = sorted(SHAPES)
     p = argparse.ArgumentParser(prog="moestream", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -462,18 +470,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(shapes)}")
     b.add_argument("--tokens", type=positive_ints, default=[1, 8, 32, 128, 512, 2048, 8192],
                    help="tokens per rank, comma list")
-    b.add_argument("--providers", type=_providers_arg,
-                   default=["staged-graph", "fused-graph", "torch"],
-                   help=f"comma list of {', '.join(PROVIDERS)}, and chunk<C> (the fused "
-                        f"launch pulling C tokens at a time) or chunkexpert")
+    b.add_argument("--impl", type=names_from(("staged", "fused")), default=["staged", "fused"],
+                   help="our launches: staged (one per stage), fused (one persistent launch)")
+    b.add_argument("--dtype", type=names_from(("bf16", "fp8", "fp4w")), default=["bf16"],
+                   help="our formats, comma list (fp4w runs staged only)")
+    b.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="time CUDA-graph replays of our calls (--no-graph: Python launches)")
+    b.add_argument("--granularity", type=_granularities_arg, default=["token"],
+                   help="the fused launch's streaming modes, comma list of token, expert and "
+                        "chunk sizes C (multiples of block_m; bf16, with graphs)")
+    b.add_argument("--per-stage", action="store_true",
+                   help="time the staged call stage by stage (stages_us in each row)")
+    b.add_argument("--baselines", type=_baselines_arg, default=["torch"],
+                   help="torch (all_to_all + grouped_mm), torch-symm (NVSHMEM all_to_all_vdev), "
+                        "comma list, or none")
     b.add_argument("--experts", type=positive_int, default=None,
                    help="routed experts of every shape instead of its own (e.g. 32 on one "
                         "GPU: one EP8 rank's share of dsv3)")
     b.add_argument("--skew", type=float, default=None,
                    help="hot expert's share of picks, in (0, 1]")
     b.add_argument("--tuning", default="",
-                   help="Tuning overrides of the *-tuned-graph providers (dotted names), e.g. "
-                        "l1.block_n=128")
+                   help="Tuning overrides (dotted names), e.g. l1.block_n=128: each of our "
+                        "graph-replayed calls also runs with them, in the same run")
     b.add_argument("--block-m", type=positive_int, default=None,
                    help="our layer's m-block rows instead of the shape's")
     b.add_argument("--virtual-ranks", type=positive_int, default=None,

@@ -1,7 +1,7 @@
 """Launchers of the standalone MXFP4-weight ("fp4w") grouped GEMMs (moestream/kernels/gemm_fp4.py:
 formats, legend, numerics). Activations are fp8 e4m3 with one fp32 scale per row per 128
-channels, exactly as in moestream.tools.fp8; weights are MXFP4 as ``quant.convert_expert_weights_mxfp4``
-writes them. One launch per GEMM over a pool of block_m-row blocks described by block_meta
+channels, exactly as in moestream.tools.fp8; weights are MXFP4 as
+``quant.convert_expert_weights_mxfp4`` writes them. One launch per GEMM over a pool of block_m-row blocks described by block_meta
 (expert * 512 + valid_m, ``fp8.pack_block_meta``); the layer (MoEConfig dtype "fp4w") runs the
 same row functions inside its own kernels. Works on the CPU (Triton's interpreter) and on GPUs
 (tested on an H200, the PTX decode included).

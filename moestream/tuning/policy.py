@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MoEConfig, cdiv
-from .settings import L1, L2, ONE_WAVE, Copy, Fused, Tuning
+from .settings import L1, L2, ONE_WAVE, Copy, Tuning
 
 __all__ = ["Device", "select", "gpu_defaults", "in_decode_pieces", "for_fused",
            "mean_rows_per_expert", "decode_rows_for", "tail_rows_for", "one_dot_for",

@@ -1,7 +1,7 @@
 """Calibration: the measured figures of one machine that the simulator's rates come from.
 
-The numbers live in a JSON file (``moestream/tools/sim/data/calib_h200x2.json`` is the packaged default,
-measured on a 2x H200 pair; see docs/simulator.md). Schema
+The numbers live in a JSON file (``moestream/tools/sim/data/calib_h200x2.json`` is the packaged
+default, measured on a 2x H200 pair; see docs/simulator.md). Schema
 (``"schema": "moestream.calib/1"``; every rate is per GPU, GB/s = 1e9 bytes/s)::
 
     num_sms              int    streaming multiprocessors per GPU
@@ -30,8 +30,8 @@ Optional (read by the fused-kernel execution model only, ``moestream.tools.sim.f
     fused_kernel.weight_gbps_per_sm                optional; default hbm_copy_tbps / num_sms
 
 A file without ``fused_kernel`` gets the packaged 2x H200 derivation
-(``moestream/tools/sim/data/calib_h200x2_fused.json``, written by ``python -m moestream.tools.sim.derive``)
-when the fused model asks for it (:meth:`Calibration.fused_kernel`).
+(``moestream/tools/sim/data/calib_h200x2_fused.json``, written by
+``python -m moestream.tools.sim.derive``) when the fused model asks for it (:meth:`Calibration.fused_kernel`).
 
 Keys such as ``device``, ``source`` and ``note`` are free text and ignored by the model.
 ``math.inf`` rates are allowed in code (``dataclasses.replace``) to build analytic limits.

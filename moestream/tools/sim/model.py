@@ -11,7 +11,8 @@ grouped-GEMM rate at the expert's row count. Finished rows go back to their sour
 messages, and each source reduces its tokens' top-k rows. The slowest rank sets the layer time.
 
 ``simulate(..., execution="fused")`` runs the fused-kernel model instead
-(``moestream.tools.sim.fused``: the project's fused launch as built, no comm SMs, rates from traces).
+(``moestream.tools.sim.fused``: the project's fused launch as built, no comm SMs, rates from
+traces).
 """
 from __future__ import annotations
 

@@ -276,10 +276,36 @@ def test_ep_bench_provider_names():
             check_providers(bad)
 
 
+def test_composed_options_name_the_providers_the_layer_runs():
+    # the CLI's --impl/--dtype/--graph/--granularity/--per-stage/--tuning/--baselines compose
+    # into provider names; combinations the layer does not run are reported, never dropped
+    # silently, and every name returned is one the benchmark runs
+    from moestream.tools.bench_ep import check_providers, compose_providers
+    assert compose_providers() == (["staged-graph", "fused-graph", "torch"], [])
+    names, skipped = compose_providers(dtype=["bf16", "fp8", "fp4w"],
+                                       granularity=["token", 128, "expert"])
+    assert names == ["staged-graph", "fused-graph", "chunk128", "chunkexpert",
+                     "fp8-staged-graph", "fp8-fused-graph", "fp4w-staged-graph", "torch"]
+    assert any(s.startswith("fp4w fused") for s in skipped)       # fp4w runs staged only
+    assert any(s.startswith("fp8 fused granularity=128") for s in skipped)
+    check_providers(names)
+    names, skipped = compose_providers(impl=["staged"], dtype=["bf16", "fp8"], per_stage=True,
+                                       tuned=True, baselines=["torch", "torch-symm"])
+    assert names == ["staged-graph-stages", "staged-tuned-graph-stages",
+                     "fp8-staged-graph-stages", "fp8-staged-tuned-graph-stages", "torch",
+                     "torch-symm"] and skipped == []
+    check_providers(names, {"gemm_claim": True})
+    names, skipped = compose_providers(graph=False, granularity=["token", 256], baselines=[])
+    assert names == ["staged", "fused"] and skipped == ["bf16 fused granularity=256 without graphs"]
+    with pytest.raises(ValueError, match="no provider runs this selection"):
+        compose_providers(impl=["fused"], dtype=["fp4w"], baselines=[])
+
+
 def test_stage_providers_and_plot(tmp_path):
     # *-stages providers are timed stage by stage, never replayed; plot_stages draws one
     # stacked bar per row, stages in run_staged's order, and refuses rows without stages
-    from moestream.tools.bench_ep import _dtype, _replayed, _stagewise, check_providers, plot_stages
+    from moestream.tools.bench_ep import (_dtype, _replayed, _stagewise, check_providers,
+                                          plot_stages)
     from moestream.staged import STAGES
     check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
                      "fp8-staged-graph-stages", "fp4w-staged-stages", "fp4w-staged-graph"])
@@ -545,7 +571,7 @@ def test_ncu_summary_reads_a_report(tmp_path) -> None:
     # row per launch; ncu's own lines before it are skipped), and on one without rows
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_summary.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ncu_summary.py"
     spec = importlib.util.spec_from_file_location("ncu_summary", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -577,7 +603,7 @@ def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
     # none; a missing name, missing overrides or an unknown field is a ValueError naming it
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_sweep.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_sweep.py"
     spec = importlib.util.spec_from_file_location("fused_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -596,7 +622,7 @@ def test_fused_sweep_variants_parse_or_say_what_is_wrong() -> None:
 def _ab_module():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_commits.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ab_commits.py"
     spec = importlib.util.spec_from_file_location("ab_commits", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -13,9 +13,8 @@ import torch
 from moestream import MoEConfig
 from moestream import staged
 from moestream.fused import fused as fused_launch, fused_tuning, max_tickets, run_fused
-from moestream.launch import constants, programs, row_chunks
-from moestream.tuning import Copy, FP8_L2_TILE_MIN_I, Fused, L1, L2, ONE_DOT_L1_STAGES, ONE_DOT_SHALLOW_MIN_HIDDEN, ONE_WAVE, Tuning, decode_rows_for, fp8_l1_split_for, fused_l2_group_for, l1_group_m_for, one_dot_for, tail_rows_for
-from conftest import hopper
+from moestream.launch import programs
+from moestream.tuning import L1, L2, ONE_WAVE, Copy, Fused, Tuning
 from moestream.buffer import KernelStallError, SymmBuffer
 from moestream.layer import mega_moe_virtual
 from moestream.reference import moe_forward_ranks
@@ -24,7 +23,7 @@ from moestream.schedule import build_schedule, valid_m
 from moestream.testing import (TOLERANCE, make_routing, make_tokens, make_weights, read_stamp,
                                rel_error, routing_with_counts, stamp_tokens)
 
-from conftest import KERNEL_DEVICES
+from conftest import KERNEL_DEVICES, hopper
 
 TOL = TOLERANCE["bf16"]
 
@@ -563,7 +562,7 @@ def test_bad_arguments_name_what_is_wrong(gen):
     Tuning(l1=L1(one_dot=True, group_m=3), use_tma=True, wait=False, programs=3),
     # ... asked for with pointer loads: the two-MMA form runs (one dot needs descriptors)
     Tuning(l1=L1(one_dot=True), use_tma=False),
-    # the GPU default (Tuning.hopper): one 256-wide L2 column block of 8 warps, flat loop
+    # the GPU default (tuning.gpu_defaults): one 256-wide L2 column block of 8 warps, flat loop
     hopper(128, hidden=256, intermediate=128),
 ], ids=["tma", "pointers", "tiles", "nowait", "l2-tiles", "flat", "epilogue-split",
         "epilogue-split4", "flat-split", "combine-shape", "l1-group3", "l1-group8",

@@ -14,8 +14,6 @@ case that silently ran unsplit cannot pass.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 

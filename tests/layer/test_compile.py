@@ -33,7 +33,7 @@ DTYPES = ["bf16", "fp8"]
 # moved a token's logits by at most 1.4e-2 (median 0.9e-2; inductor on the CPU, the
 # single-MoE-layer model, 2 seeds x 4 batches), and one token whose near-tied routing flipped
 # by 2.1e-1 (swapping two experts moves logits by 1.4e-1 to 5.5e-1,
-# tests/test_integrations_transformers.py). At most FLIPS such tokens per step.
+# tests/layer/test_integrations_transformers.py). At most FLIPS such tokens per step.
 TOKEN_TOL = 3e-2
 FLIPS = 2
 

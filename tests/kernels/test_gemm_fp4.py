@@ -1,6 +1,6 @@
 """The standalone MXFP4-weight ("fp4w") grouped GEMMs (moestream/kernels/gemm_fp4.py, launched by
-moestream.tools.fp4) against the quantization-aware math in fp64 (moestream.quant's dequantize helpers),
-on the CPU interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
+moestream.tools.fp4) against the quantization-aware math in fp64 (moestream.quant's dequantize
+helpers), on the CPU interpreter (or a GPU where there is one), and their sm_90 compilation (no GPU needed).
 
 Tolerances (written down here, see docs/quantization.md "MXFP4 GEMM kernels (standalone)"):
 * decode: every packed byte's two e2m1 codes -> e4m3 bytes of 2**-6 x their values, bit-exact
@@ -38,7 +38,7 @@ from moestream.quant import (
 from quant_pool import (block_meta, check_act, check_l2_rows, dq_act, host_pool, make_pool,
                         sum_picks, to_device)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F8 = torch.float8_e4m3fn
 U8 = torch.uint8
@@ -378,7 +378,8 @@ _COMPILE = """
 import json, sys
 from moestream.tools.aot import compile_quant_gemms
 for bm, warps, stages in json.loads(sys.argv[1]):
-    for r in compile_quant_gemms(fmt="fp4w", block_m=bm, block_n=128, num_warps=warps, num_stages=stages):
+    for r in compile_quant_gemms(fmt="fp4w", block_m=bm, block_n=128, num_warps=warps,
+                                 num_stages=stages):
         print(json.dumps(dict(r, block_m=bm)))
 """
 

@@ -18,7 +18,7 @@ all-MoE models are therefore compared block by block, each block on the inputs t
 model gave it.
 
 Also here, without a GPU: replace_moe_blocks' checks across several ranks (with a faked group),
-the multi-GPU test's worker (tests/test_integrations_multigpu.py) with one gloo rank, and
+the multi-GPU test's worker (tests/multigpu/test_integrations_multigpu.py) with one gloo rank, and
 ``moestream bench-layer``'s code on tiny models.
 """
 from __future__ import annotations
@@ -480,11 +480,11 @@ def test_several_ranks_are_checked_on_every_rank_before_anything_changes(gen, mo
 
 
 def test_the_multi_gpu_worker_runs_on_one_cpu_rank(gen):
-    """tests/test_integrations_multigpu.py's worker, with one gloo rank on the CPU (the group
+    """tests/multigpu/test_integrations_multigpu.py's worker, with one gloo rank on the CPU (the group
     path of replace_moe_blocks with a real process group, generate with synced_gpus, teacher
     forcing), judged as the GPU test judges it."""
     from moestream.tools.distributed import spawn
-    from test_integrations_multigpu import compare_generation, ep_worker
+    from hf_ep_cases import compare_generation, ep_worker
     seed = int(torch.randint(2**31, (1,), generator=gen))
     (res,) = spawn(ep_worker, world_size=1, backend="gloo",
                    args=(seed, "cpu", ("qwen3_moe",), 4, 16), timeout_s=300)
@@ -501,7 +501,7 @@ def test_the_multi_gpu_worker_runs_on_one_cpu_rank(gen):
 
 
 def test_generation_comparison_allows_only_near_ties(gen):
-    from test_integrations_multigpu import compare_generation
+    from hf_ep_cases import compare_generation
     N, B, V = 6, 2, VOCAB
     logits = torch.randn(N, B, V, generator=gen)
     tokens = logits.argmax(-1).T.contiguous()          # [B, N], greedy

@@ -256,7 +256,7 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
     ([37, 23], Tuning(l2=L2(block_n=128, epilogue_split=2), decode_rows=16, use_tma=True)),
     # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
     ([1, 30], Tuning(l1=L1(block_n=256), decode_rows=16, use_tma=False, wait=False, programs=3)),
-    # claimed GEMM tickets (Tuning.decode's default on GPUs), 2 programs for the tiles
+    # claimed GEMM tickets (tuning.select's default for decode on GPUs), 2 programs for the tiles
     ([37, 23], Tuning(l2=L2(block_n=128), decode_rows=16, use_tma=True, gemm_claim=True, programs=2)),
 ], ids=["tma", "pointers-l1n256", "claimed"])
 def test_fp8_decode_pieces(device, gen, Ts, tuning):
@@ -403,9 +403,9 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     Tuning(l1=L1(block_n=256), l2=L2(block_n=64), fp4w_rows=64),
     # 32-row pieces, no waits, three programs walking the tiles
     Tuning(fp4w_rows=32, wait=False, programs=3),
-    # L1 tickets in groups of 3 m-blocks (Tuning.for_call's choice at mixtral dims), waits on
+    # L1 tickets in groups of 3 m-blocks (tuning.select's choice at mixtral dims), waits on
     Tuning(l1=L1(group_m=3), fp4w_rows=32),
-    # claimed GEMM tickets (Tuning.for_call's default for fp4w), 2 programs
+    # claimed GEMM tickets (tuning.select's default for fp4w), 2 programs
     Tuning(fp4w_rows=16, gemm_claim=True, programs=2),
 ], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3",
         "rows16-claimed"])

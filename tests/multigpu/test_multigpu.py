@@ -81,6 +81,7 @@ def _worker_dispatch_exact(rank, world, seed):
     import torch.distributed as dist
     from moestream import SymmBuffer, staged
     from moestream.routing import pool_layout, pool_sources, source_slots
+    from moestream.tuning import Copy, Tuning
     from moestream.testing import stamp_tokens
     dev = torch.device("cuda", rank)
     cfg = _cfg(top_k=3)
@@ -102,7 +103,8 @@ def _worker_dispatch_exact(rank, world, seed):
     results = []
     # one token per ticket; then the GPU default's tiles of 4 with eager loads and rows in 4
     # parts of 128 words (as decode calls split dsv3's rows), each part its own peer load
-    for tuning in (Tuning(), Tuning(copy=Copy(dispatch_tile=4, dispatch_eager=True, dispatch_parts=4, hidden_chunk=128))):
+    eager = Copy(dispatch_tile=4, dispatch_eager=True, dispatch_parts=4, hidden_chunk=128)
+    for tuning in (Tuning(), Tuning(copy=eager)):
         buf.view("pool_x").fill_(float("nan"))
         staged.publish(buf, 0, xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
         staged.layout(buf)

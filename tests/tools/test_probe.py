@@ -21,7 +21,7 @@ from moestream.tools.probe import (ProbeError, ProbePlan, ProbeResults, assemble
                              calibration_table, probe_plan, run_probe)
 from moestream.tools.sim import Calibration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _full_results(**overrides) -> ProbeResults:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # what the product's text is: code, tests, docs, examples, benchmark scripts, the README
 PRODUCT = ([*ROOT.glob("moestream/**/*.py"), *ROOT.glob("moestream/tools/sim/data/*.json"),

@@ -81,7 +81,7 @@ BF16_CASES = [   # each with host_descriptors=True (test_host_descriptors_comput
      (2, 2)),
     (dict(max_tokens_per_rank=72), [70],
      Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=64), use_tma=True, wait=False), "tail", (2, 2)),
-    # the GPU default at these dims (Tuning.hopper: the 256-wide L2 tile, 8 warps, flat),
+    # the GPU default at these dims (tuning.gpu_defaults: the 256-wide L2 tile, 8 warps, flat),
     # with the descriptor loads it takes on a Hopper GPU
     (dict(), [37], replace(hopper(32, hidden=256, intermediate=128),
                            use_tma=True), None, (1, 1)),

@@ -15,7 +15,7 @@ import pytest
 
 from moestream.tools.aot import SM90_SHARED_LIMIT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # one xdist worker runs this file, and first (`make test`: --dist loadgroup, which queues the
 # largest group first): its module fixture compiles every kernel, ~5 minutes on a fresh CPU
 # machine, which two workers would each pay and which, left to the end, is the suite's tail
@@ -48,7 +48,7 @@ def compiled(compiled_rows) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def compiled_decode(compiled_rows) -> dict[str, dict]:
-    """The staged GEMMs in decode pieces (Tuning.decode), bf16 and fp8, by (name, dtype)."""
+    """The staged GEMMs in decode pieces (tuning.select for decode calls), bf16 and fp8, by (name, dtype)."""
     return {(r["name"], "fp8" if r["kernel"].endswith(" fp8 decode") else "bf16"): r
             for r in compiled_rows
             if r["kernel"].endswith(" decode") and not r["kernel"].endswith(" fp4w decode")}
@@ -105,7 +105,7 @@ def test_buffer_rows_move_in_vectors(compiled_rows):
 
 def test_fp8_layer_gemms_use_fp8_warpgroup_mma(compiled_fp8):
     # the fp8 layer's GEMMs as the staged path and the fused launch run them (dsv3 dims,
-    # Tuning.hopper fp8): e4m3 x e4m3 warpgroup MMAs, pipelined (shared memory holds several
+    # tuning.gpu_defaults fp8): e4m3 x e4m3 warpgroup MMAs, pipelined (shared memory holds several
     # stages: the byte rows' base pointers carry their 16-byte alignment), and at most a small
     # spill in the staged L1 (two 128x128 fp32 accumulators plus the two fresh per-K-block
     # products: 255 registers); the fused kernel's register budget is not bounded here (as bf16)
@@ -239,7 +239,7 @@ def test_resident_per_sm_limits(regs, shared, warps, want):
 
 
 def test_fp4w_layer_gemms(compiled_fp4w):
-    # the fp4w layer's GEMMs (dsv3 dims, Tuning.hopper "fp4w" and its decode form): the
+    # the fp4w layer's GEMMs (dsv3 dims, tuning.gpu_defaults "fp4w" and its decode form): the
     # MXFP4 tiles decoded by the PTX bit operations feed fp8 warpgroup MMAs in 64-row pieces
     # and fp16 warp MMAs (the e4m3 values widened exactly) in the decode form's 16-row pieces;
     # shared memory fits; the 16-row pieces do not spill
@@ -270,7 +270,7 @@ def test_fp8_decode_l1_split_compiles_by_descriptor_and_by_pointer(compiled_rows
 def test_one_dot_l1_launches_at_its_own_depth(compiled_rows):
     # Tuning.l1.one_dot_stages reaches the one-MMA L1's launch (3 stages where for_call
     # picks them, from hidden 4096): the same K loop of 256-wide HGMMAs in less shared memory
-    # than Tuning.hopper's 4 stages, no stack
+    # than the GPU defaults' 4 stages, no stack
     rows = {label(r): r for r in compiled_rows
             if r["name"] == "l1_kernel" and label(r) in ("one dot", "one dot s3")}
     four, three = rows["one dot"], rows["one dot s3"]

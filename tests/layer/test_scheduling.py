@@ -1,4 +1,4 @@
-"""`make test` runs `pytest -n 2 --dist loadgroup` so that tests/test_sm90_compile.py (one
+"""`make test` runs `pytest -n 2 --dist loadgroup` so that tests/sm90/test_sm90_compile.py (one
 module fixture compiling every kernel for sm_90, ~5 minutes on a fresh CPU machine) runs on
 one worker only. With pytest 9 and pytest-xdist 3.8 the groups can silently fall apart, and
 both workers then compile everything; this checks, with the installed pytest and xdist, that

@@ -31,7 +31,7 @@ from moestream.quant import (convert_expert_weights_fp8, dequantize_act_fp8,
 from quant_pool import (block_meta, check_act, check_l2_rows, dq_act, host_pool, make_pool,
                         sum_picks, to_device, ulp_e4m3)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F8 = torch.float8_e4m3fn
 H, I, E = 256, 256, 3

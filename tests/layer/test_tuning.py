@@ -4,7 +4,7 @@ rule on its own, and the ValueErrors of bad settings.
 
 The snapshot is tests/data/tuning_snapshot.txt, one line per call: the fields that differ from
 ``Tuning()``. A policy change shows there as a diff to read; after checking it, rewrite the
-file with ``MOESTREAM_UPDATE_SNAPSHOT=1 pytest tests/test_tuning.py``.
+file with ``MOESTREAM_UPDATE_SNAPSHOT=1 pytest tests/layer/test_tuning.py``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from moestream.tuning import (FP8_L2_TILE_MIN_I, L1, L2, ONE_DOT_L1_STAGES,
                               fused_l2_group_for, l1_group_m_for, one_dot_for, select,
                               tail_rows_for)
 
-SNAPSHOT = Path(__file__).parent / "data" / "tuning_snapshot.txt"
+SNAPSHOT = Path(__file__).parents[1] / "data" / "tuning_snapshot.txt"
 TOKENS = (1, 8, 128, 512, 2048, 8192)
 
 

@@ -26,7 +26,7 @@ from moestream.tools.sim.engine import run_plan
 from moestream.tools.sim.events import run_events
 from moestream.tools.sim.plan import build_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CAL = Calibration.load()
 INF = math.inf
 
@@ -743,7 +743,7 @@ def test_fused_task_sizes_follow_the_kernel_tuning():
             k = t.with_granularity(g, 128)
             assert (k.fused.dispatch_tokens, min(k.fused.chunk_blocks, 1 << 30)) == (
                 want_dt, want_chunk)
-    # L1 column blocks narrow for decode (Tuning.for_call): qwen3 8 experts x 6 < 132
+    # L1 column blocks narrow for decode (tuning.select): qwen3 8 experts x 6 < 132
     assert fused_tuning(qwen, ranks=2, tokens_per_rank=1, num_sms=132,
                         granularity="token").l1_block_n == 32
     dsv3 = MoEConfig.from_shape("dsv3", max_tokens_per_rank=1)

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moestream.launch import programs, stream_ordered
+from moestream.launch import stream_ordered
 from moestream.tuning import L1, L2, Tuning
 from moestream.buffer import SymmBuffer
 from moestream.layer import mega_moe_virtual
