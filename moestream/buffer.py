@@ -326,6 +326,11 @@ class SymmBuffer:
             t = self._scratch[key] = torch.zeros(key[1], dtype=dtype, device=self.device)
         return t
 
+    def scratch_named(self, name: str) -> list[torch.Tensor]:
+        """Every work tensor ``scratch`` has made under ``name`` (of any shape or dtype), in
+        the order they were first asked for: what a check reads after a call."""
+        return [t for (n, _, _), t in self._scratch.items() if n == name]
+
     def destroy(self) -> None:
         """Release the memory (collective in the real form)."""
         if self._hdl is not None:

@@ -31,9 +31,8 @@ from test_kernels_virtual import check_layer, check_tuned_layer, make_case, pois
 
 
 def split_scratch(buf: SymmBuffer, gemm: str) -> tuple[torch.Tensor, torch.Tensor]:
-    (sums,) = [t for (name, _, _), t in buf._scratch.items() if name == f"{gemm}_split_sums"]
-    (counts,) = [t for (name, _, _), t in buf._scratch.items()
-                 if name == f"{gemm}_split_counts"]
+    (sums,) = buf.scratch_named(f"{gemm}_split_sums")
+    (counts,) = buf.scratch_named(f"{gemm}_split_counts")
     return sums, counts
 
 
