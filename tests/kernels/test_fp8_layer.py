@@ -213,7 +213,8 @@ def check_tuned_fp8_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=Non
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     Tuning(l2=L2(block_n=128, epilogue_split=2)),             # the GPU default's epilogue
-    Tuning(l2=L2(block_n=128, epilogue_split=4, flat=True), wait=False, programs=3),                          # quarters, flat loops
+    # quarters, flat loops
+    Tuning(l2=L2(block_n=128, epilogue_split=4, flat=True), wait=False, programs=3),
 ], ids=["split2", "split4-flat"])
 def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
     # the L2 tile stored in column pieces (and the flat tile loops) writes the same slots
@@ -223,7 +224,8 @@ def test_fp8_l2_epilogue_pieces_and_flat_loops(device, gen, tuning):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     Tuning(l2=L2(block_n=128, epilogue_split=2), use_tma=True),   # the GPU default's loads
-    Tuning(l1=L1(block_n=256), l2=L2(block_n=64, flat=True), use_tma=True, wait=False, programs=3),                                          # 64-wide L2 tiles, flat
+    # 64-wide L2 tiles, flat
+    Tuning(l1=L1(block_n=256), l2=L2(block_n=64, flat=True), use_tma=True, wait=False, programs=3),
     Tuning(l2=L2(block_n=128), use_tma=False),                       # pointer loads
     # the fp8 L1 (pointer loads) with its tickets in groups of 2 m-blocks, waits on
     Tuning(l2=L2(block_n=128), l1=L1(group_m=2), use_tma=False),
@@ -239,8 +241,10 @@ def test_fp8_tensor_descriptor_and_pointer_loads(device, gen, tuning):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
-    Tuning(l2=L2(split_m=2, warps=4, stages=3, block_n=128, epilogue_split=2), use_tma=True),                       # the 64-row pieces by descriptor
-    Tuning(l2=L2(split_m=2, warps=4, flat=True), use_tma=False, wait=False, programs=3),                                # by pointers, flat loop
+    # the 64-row pieces by descriptor
+    Tuning(l2=L2(split_m=2, warps=4, stages=3, block_n=128, epilogue_split=2), use_tma=True),
+    # by pointers, flat loop
+    Tuning(l2=L2(split_m=2, warps=4, flat=True), use_tma=False, wait=False, programs=3),
 ], ids=["tma", "pointers-flat"])
 def test_fp8_l2_in_row_pieces(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows): two experts per rank get
@@ -257,7 +261,8 @@ def test_fp8_l2_in_row_pieces(device, gen, tuning):
     # pointer loads, 256-wide L1 blocks (two scale groups per piece), T=1 on one rank
     ([1, 30], Tuning(l1=L1(block_n=256), decode_rows=16, use_tma=False, wait=False, programs=3)),
     # claimed GEMM tickets (tuning.select's default for decode on GPUs), 2 programs for the tiles
-    ([37, 23], Tuning(l2=L2(block_n=128), decode_rows=16, use_tma=True, gemm_claim=True, programs=2)),
+    ([37, 23], Tuning(l2=L2(block_n=128), decode_rows=16, use_tma=True, gemm_claim=True,
+                      programs=2)),
 ], ids=["tma", "pointers-l1n256", "claimed"])
 def test_fp8_decode_pieces(device, gen, Ts, tuning):
     # fp8 L1 (scales per K step, re-quantization of each piece's rows) and L2 with the
@@ -292,9 +297,11 @@ def test_fp8_fused_launch_in_decode_pieces(device, gen):
     # the GPU default's L2 (64-row pieces by descriptor, here 16-row ones): expert 0's 5-row
     # tail is one piece and its empty second piece is skipped; expert 1's 20-row block
     # splits into a full piece and a 4-row tail piece at row 16
-    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=128, epilogue_split=2), use_tma=True),
+    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=128, epilogue_split=2),
+           use_tma=True),
     # pointer loads everywhere, whole 32-row L2 blocks, 256-wide L1 blocks
-    Tuning(l1=L1(tail_rows=16, block_n=256), l2=L2(tail_rows=16), use_tma=False, wait=False, programs=3),
+    Tuning(l1=L1(tail_rows=16, block_n=256), l2=L2(tail_rows=16), use_tma=False, wait=False,
+           programs=3),
 ], ids=["tma-split", "pointers-l1n256"])
 def test_fp8_tail_pieces(device, gen, tuning):
     # fp8 L1 tail pieces re-quantize their rows like the usual tile; exact per-expert counts

@@ -68,7 +68,8 @@ BF16_CASES = [   # each with host_descriptors=True (test_host_descriptors_comput
     (dict(), [37], Tuning(l1=L1(one_dot=True, block_n=64), use_tma=True, wait=False),
      None, (1, 1)),
     # L2 in 16-row pieces of the 32-row m-blocks (a 16-row A descriptor), flat loop
-    (dict(), [37], Tuning(l2=L2(split_m=2, block_n=64, flat=True), use_tma=True, wait=False), None, (1, 1)),
+    (dict(), [37], Tuning(l2=L2(split_m=2, block_n=64, flat=True), use_tma=True, wait=False), None,
+     (1, 1)),
     # decode pieces: 16-row and 32-row (DECODE_WIDE) A descriptors in both GEMMs; T=1
     (dict(), [1], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16), None, (2, 2)),
     # ... and blocks of ~30 rows (the wide piece)
@@ -80,7 +81,8 @@ BF16_CASES = [   # each with host_descriptors=True (test_host_descriptors_comput
      Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, block_n=64), use_tma=True), "tail",
      (2, 2)),
     (dict(max_tokens_per_rank=72), [70],
-     Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=64), use_tma=True, wait=False), "tail", (2, 2)),
+     Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, block_n=64), use_tma=True,
+            wait=False), "tail", (2, 2)),
     # the GPU default at these dims (tuning.gpu_defaults: the 256-wide L2 tile, 8 warps, flat),
     # with the descriptor loads it takes on a Hopper GPU
     (dict(), [37], replace(hopper(32, hidden=256, intermediate=128),
@@ -155,10 +157,12 @@ def test_host_descriptors_in_the_fused_launch(device, gen, host_kinds, dtype, Ts
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("Ts, tuning", [
-    ([37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16, host_descriptors=False)),      # asked off: in-kernel on one rank
+    # asked off: in-kernel on one rank
+    ([37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16, host_descriptors=False)),
     # the default (None) outside a CUDA graph capture: in-kernel
     ([37], Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16)),
-    ([37, 23], host(Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16))),     # asked for, but two local ranks
+    # asked for, but two local ranks
+    ([37, 23], host(Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16))),
     ([37], host(Tuning(use_tma=False))),         # pointer loads: no descriptors
 ], ids=["off", "default-eager", "two-ranks", "pointers"])
 def test_in_kernel_descriptors_where_the_host_form_does_not_apply(device, gen, host_kinds, Ts,

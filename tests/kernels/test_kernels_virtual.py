@@ -101,7 +101,8 @@ def test_dispatch_is_exact(device, gen, R, Ts, e_per_rank, tile, eager, parts):
     poison(buf)
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
     # hidden_chunk 64: a row (hidden 256) is 4 chunks
-    tuning = Tuning(copy=Copy(dispatch_tile=tile, dispatch_eager=eager, dispatch_parts=parts, hidden_chunk=64))
+    tuning = Tuning(copy=Copy(dispatch_tile=tile, dispatch_eager=eager, dispatch_parts=parts,
+                              hidden_chunk=64))
     run_dispatch(buf, xs, idxs, ws, tuning=tuning)
     parts = staged.dispatch_parts(buf, tuning)   # arrivals per row
 
@@ -199,7 +200,8 @@ def test_chunked_modes_match_reference(device, gen, case, granularity):
     tuning = None
     if granularity == "token-tiles":
         granularity = "token"
-        tuning = Tuning(fused=Fused(dispatch_programs=3, combine_tile=4), copy=Copy(dispatch_tile=2, combine_chunk=64))
+        tuning = Tuning(fused=Fused(dispatch_programs=3, combine_tile=4),
+                        copy=Copy(dispatch_tile=2, combine_chunk=64))
     elif granularity == "combine-parts":
         # combine tasks of 2 tokens in 3 column parts of ceil(H / 3) columns (the last
         # shorter), each summed 32 columns at a time: the parts cover every column once
@@ -235,7 +237,8 @@ def test_multi_token_dispatch_tasks_are_exact(device, gen, tokens, tile, program
     xs, idxs, ws = make_case(cfg, R, Ts, gen, device, drop=0.15, stamp=True)
     w13s, w2s = make_weights(cfg, R, generator=gen, device=device)
     # hidden_chunk 64: rows move in 4 chunks (the first one peeled off the loop)
-    tuned = Tuning(fused=Fused(dispatch_tokens=tokens, dispatch_programs=programs), copy=Copy(dispatch_tile=tile, dispatch_eager=eager, hidden_chunk=64))
+    tuned = Tuning(fused=Fused(dispatch_tokens=tokens, dispatch_programs=programs),
+                   copy=Copy(dispatch_tile=tile, dispatch_eager=eager, hidden_chunk=64))
     for buf, tuning in zip(bufs, (Tuning(), tuned)):
         poison(buf)
         y = torch.empty(R, max(Ts), cfg.hidden, dtype=torch.bfloat16, device=device)
@@ -512,7 +515,8 @@ def test_bad_arguments_name_what_is_wrong(gen):
         (dict(xs=[xs[0].float(), xs[1]]), "rank 0: x must have dtype bfloat16"),
         (dict(xs=[xs[0], make_tokens(25, cfg.hidden).to(dev)]), "more than max_tokens_per_rank=24"),
         (dict(topk_idxs=[idxs[0], idxs[1][:, :1]]), "rank 1: topk_idx must have top_k=2 columns"),
-        (dict(topk_weights=[ws[0].double(), ws[1]]), "rank 0: topk_weights must have dtype float32"),
+        (dict(topk_weights=[ws[0].double(), ws[1]]),
+         "rank 0: topk_weights must have dtype float32"),
         (dict(w13s=[w13s[0][:, :, :128], w13s[1]]), "rank 0: w13 must have shape"),
         (dict(w2s=[w2s[0], w2s[1].transpose(1, 2).contiguous().transpose(1, 2)]),
          "rank 1: w2 must be contiguous"),
@@ -604,7 +608,8 @@ def test_counters_are_counted_only_for_launches_that_wait(device, gen, wait):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tuning", [
     Tuning(l2=L2(split_m=2, block_n=64), use_tma=True),          # pieces by descriptor
-    Tuning(l2=L2(split_m=2, flat=True, epilogue_split=2), use_tma=False, wait=False, programs=3),                    # pointers, flat
+    # pointers, flat
+    Tuning(l2=L2(split_m=2, flat=True, epilogue_split=2), use_tma=False, wait=False, programs=3),
 ], ids=["tma", "pointers-flat"])
 def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # L2 tiles of half an m-block (block_m 32: pieces of 16 rows, the least a GPU dot takes);
@@ -618,9 +623,12 @@ def test_l2_in_row_pieces_computes_the_same_layer(device, gen, tuning):
     # block_m 32 in pieces of 16 rows: ~30 rows per expert, so an m-block runs a full and a
     # partial piece (weights read twice); descriptor loads; dispatch moves rows in 2 parts
     # (tiles of 4 tokens, eager), so the L1 waits for 2 arrivals per row
-    ([37, 23], Tuning(l2=L2(block_n=64), copy=Copy(dispatch_parts=2, hidden_chunk=128, dispatch_tile=4, dispatch_eager=True), decode_rows=16, use_tma=True)),
+    ([37, 23], Tuning(l2=L2(block_n=64), decode_rows=16, use_tma=True,
+                      copy=Copy(dispatch_parts=2, hidden_chunk=128, dispatch_tile=4,
+                                dispatch_eager=True))),
     # pointer loads, no waits, quarters; a piece of 16 rows in a 32-row block
-    ([37, 23], Tuning(l2=L2(epilogue_split=4, block_n=64), decode_rows=16, use_tma=False, wait=False, programs=3)),
+    ([37, 23], Tuning(l2=L2(epilogue_split=4, block_n=64), decode_rows=16, use_tma=False,
+                      wait=False, programs=3)),
     # decode proper: T=1 and T=2 (an m-block holds 1-4 valid rows of one 32-row piece);
     # l2_flat and l2_split_m are set but do not apply in decode pieces
     ([1, 2], Tuning(l2=L2(flat=True, split_m=2), decode_rows=32, use_tma=True, wait=False)),
@@ -681,10 +689,12 @@ def tail_routing(gen, top_k: int = 2):
     Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, block_n=64), use_tma=True),
     # pointer loads, no waits; L2 in 16-row pieces (an empty second piece computes nothing)
     # with the flat loop asked for
-    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, flat=True), use_tma=False, wait=False, programs=3),
+    Tuning(l1=L1(tail_rows=16), l2=L2(tail_rows=16, split_m=2, flat=True), use_tma=False,
+           wait=False, programs=3),
     # 32-row L1 tail pieces: every partly filled block (expert 1's 20 rows too) is one
     # piece; the L2 as usual (flat loop, quarters)
-    Tuning(l1=L1(tail_rows=32), l2=L2(block_n=64, flat=True, epilogue_split=4), use_tma=True, wait=False),
+    Tuning(l1=L1(tail_rows=32), l2=L2(block_n=64, flat=True, epilogue_split=4), use_tma=True,
+           wait=False),
     # the L2 only, 32-row pieces
     Tuning(l2=L2(tail_rows=32, block_n=64), use_tma=True),
 ], ids=["tail16-tma", "tail16-pointers-split", "l1-tail32", "l2-tail32"])
@@ -720,7 +730,8 @@ def claims_in(buf, cfg, tuning) -> dict[tuple[str, int], bool]:
     # decode pieces by descriptor, 3 programs: rank 0 (2 m-blocks, 4 L1 / 4 L2 column
     # blocks) claims in both GEMMs, rank 1 (1 m-block) deals its 4 + 4 tickets round-robin;
     # L1 blocks wait and count l1_done (checked exactly below)
-    (Tuning(l1=L1(block_n=32), l2=L2(block_n=64), gemm_claim=True, decode_rows=16, use_tma=True, programs=3), True),
+    (Tuning(l1=L1(block_n=32), l2=L2(block_n=64), gemm_claim=True, decode_rows=16, use_tma=True,
+            programs=3), True),
     # whole tiles, pointer loads, no waits, 1 program: every ticket past the second claimed;
     # random routing (10 % -1 picks)
     (Tuning(gemm_claim=True, use_tma=False, wait=False, programs=1), False),
@@ -893,7 +904,8 @@ def test_fused_tuning_resolves_once():
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
     base = Tuning(fused=Fused(dispatch_programs=5))
     chunk = fused_tuning(buf, 19, tuning=base, granularity=32)
-    assert (chunk.fused.dispatch_tokens, chunk.fused.chunk_blocks, chunk.fused.dispatch_programs) == (32, 2, 0)
+    assert (chunk.fused.dispatch_tokens, chunk.fused.chunk_blocks,
+            chunk.fused.dispatch_programs) == (32, 2, 0)
     assert fused_tuning(buf, 19, tuning=chunk, granularity=32) == chunk
     assert fused_tuning(buf, 19, tuning=chunk) == chunk
     token = fused_tuning(buf, 19, tuning=base)

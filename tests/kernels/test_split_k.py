@@ -48,7 +48,8 @@ def split_in(gemm: str, tuning: Tuning) -> Tuning:
     against intermediate 128 / 64), so twice the programs give it the same S."""
     if gemm == "l1":
         return tuning
-    return tuning.with_(l1=dict(split_k=1), l2=dict(split_k=tuning.l1.split_k), programs=2 * tuning.programs)
+    return tuning.with_(l1=dict(split_k=1), l2=dict(split_k=tuning.l1.split_k),
+                        programs=2 * tuning.programs)
 
 
 def every_pick(cfg, gen):
@@ -69,13 +70,16 @@ def tail_routing(gen):
 CASES = [
     # T=1: one or two 1-row blocks x 2 column blocks, 16 programs: S = 4 (tiles * 4 <= 16);
     # descriptors built in the kernel
-    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=16), None),
+    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True,
+                         programs=16), None),
     # ... built on the host, S capped at 8 by the field (16 programs would allow more for
     # one tile)
-    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=8), decode_rows=16, use_tma=True, programs=32, host_descriptors=True), None),
+    (dict(), [1], Tuning(l2=L2(block_n=64), l1=L1(split_k=8), decode_rows=16, use_tma=True,
+                         programs=32, host_descriptors=True), None),
     # pointer loads, no waits: K = 256 in steps of 64 over 8 parts, so parts past the last
     # step get an empty K range (their sums are zeros)
-    (dict(), [2], Tuning(l2=L2(block_n=64), l1=L1(split_k=16), decode_rows=16, use_tma=False, wait=False, programs=64), None),
+    (dict(), [2], Tuning(l2=L2(block_n=64), l1=L1(split_k=16), decode_rows=16, use_tma=False,
+                         wait=False, programs=64), None),
     # blocks of 5 and 14 rows split, blocks of 20 and 32 rows whole (part 0), in one call:
     # 5 m-blocks x 2 column blocks, 4 parts each on 48 programs
     (dict(max_tokens_per_rank=72), [70],
@@ -87,7 +91,8 @@ CASES = [
      Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=32),
      None),
     # two virtual ranks: each local rank's parts use their own slots and counts
-    (dict(), [1, 2], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True, programs=32), None),
+    (dict(), [1, 2], Tuning(l2=L2(block_n=64), l1=L1(split_k=4), decode_rows=16, use_tma=True,
+                            programs=32), None),
 ]
 
 
@@ -110,10 +115,12 @@ def test_split_k_computes_the_same_layer(device, gen, gemm, cfg_changes, Ts, tun
 FP8_CASES = [
     # T=1: 1-2 m-blocks x 2 column blocks of 128 on 16 programs, S = 4; hidden 256 is two
     # 128-column K steps (one scale block each), so parts 2 and 3 have no step (zero sums)
-    (dict(), [1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=True, programs=16), None),
+    (dict(), [1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=True, programs=16),
+     None),
     # hidden 512: four steps, one per part (a part left out of the sum shows), pointer loads,
     # no waits, two virtual ranks (each its own slots and counts)
-    (dict(hidden=512), [2, 1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=False, wait=False, programs=32), None),
+    (dict(hidden=512), [2, 1], Tuning(l1=L1(block_n=128, split_k=4), decode_rows=16, use_tma=False,
+                                      wait=False, programs=32), None),
     # blocks of 5 and 14 rows split, blocks of 20 and 32 rows whole (part 0, as unsplit), an
     # expert with no token, in one call: 5 m-blocks x 2 column blocks, 4 parts on 48 programs
     (dict(block_m=32, max_tokens_per_rank=72, num_experts=4), [70],
@@ -176,7 +183,8 @@ def test_split_k_over_consecutive_calls(device, gen):
     # 2-8 L1 and 4-16 L2 tiles on 64 programs, so S is 4 or 8 by the call's block count):
     # the counts a call leaves at zero are what the next call's parts count from
     cfg = small_config(block_m=32, max_tokens_per_rank=40, num_experts=4)
-    tuning = Tuning(l2=L2(block_n=64, split_k=8), l1=L1(split_k=8), decode_rows=16, use_tma=True, programs=64)
+    tuning = Tuning(l2=L2(block_n=64, split_k=8), l1=L1(split_k=8), decode_rows=16, use_tma=True,
+                    programs=64)
     buf = SymmBuffer(cfg, num_ranks=1, device=device)
     w13s, w2s = make_weights(cfg, 1, generator=gen, device=device)
     for T in (1, 3, 2, 1):
