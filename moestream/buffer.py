@@ -230,9 +230,8 @@ class SymmBuffer:
         return "gpu" if self.one_device else "sys"
 
     def offsets(self) -> dict[str, int]:
-        """Kernel arguments ``off_<region>``: every region's byte offset (and the reset span's)."""
-        return {f"off_{n}": off for n, off in self.layout.offsets().items()} | {
-            "off_reset": self.layout.reset_span[0]}
+        """Every region's byte offset by name, and the reset span's start under "reset"."""
+        return self.layout.offsets() | {"reset": self.layout.reset_span[0]}
 
     def view(self, name: str, local: int = 0) -> torch.Tensor:
         """Region ``name`` of local rank ``local``'s buffer as a typed tensor (no copy)."""

@@ -10,10 +10,10 @@ from typing import Sequence
 import torch
 
 from .buffer import SymmBuffer
-from .config import cdiv
 from .kernels._common import INTERPRET, next_pow2, triton
 from .regions import REGION_NAMES
 from .tuning import Device, Tuning, select
+from .tuning.settings import row_chunk, row_chunks
 
 __all__ = ["Constants", "Offsets", "constants", "device_of", "tuning_for", "tma", "programs",
            "resident_per_sm", "launch_kw", "host_descriptors", "a_rows", "split_scratch",
@@ -47,7 +47,7 @@ def constants(buffer: SymmBuffer) -> Constants:
         cfg = buffer.config
         R = buffer.num_ranks
         e_loc = cfg.experts_per_rank(R)
-        offs = Offsets(**{k.removeprefix("off_"): v for k, v in buffer.offsets().items()})
+        offs = Offsets(**buffer.offsets())
         c = Constants(offs=offs, R=R, E_LOC=e_loc, R_PAD=next_pow2(R),
                       E_PAD=next_pow2(e_loc), K_PAD=next_pow2(cfg.top_k),
                       P=cfg.pool_capacity(R), reset_words=buffer.layout.reset_span[1] // 4,
@@ -80,16 +80,6 @@ def wave_blocks(buffer: SymmBuffer, tuning: Tuning) -> int:
     """L1 blocks that close an expert wave (``Fused.wave_blocks``, None: one per SM, 8 under
     the interpreter so small test calls still form several waves)."""
     return tuning.fused.wave_blocks or constants(buffer).device.sms or 8
-
-
-def row_chunk(words: int, hidden_chunk: int) -> int:
-    """16-bit words of a row of ``words`` that a copy moves per load."""
-    return min(next_pow2(words), hidden_chunk)
-
-
-def row_chunks(words: int, hidden_chunk: int) -> int:
-    """Loads of ``row_chunk`` words that move one row."""
-    return cdiv(words, row_chunk(words, hidden_chunk))
 
 
 def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:

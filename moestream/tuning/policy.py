@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MoEConfig, cdiv
-from .settings import L1, L2, ONE_WAVE, Copy, Tuning
+from .settings import L1, L2, ONE_WAVE, Copy, Tuning, row_chunks
 
 __all__ = ["Device", "select", "gpu_defaults", "in_decode_pieces", "for_fused",
            "mean_rows_per_expert", "decode_rows_for", "tail_rows_for", "one_dot_for",
@@ -152,7 +152,7 @@ def in_decode_pieces(t: Tuning, rows: int, cfg: MoEConfig) -> Tuning:
     SM, claimed tickets, each row's chunks dispatched as separate tickets):
     bf16 L1 blocks 64 wide, split-K of four where a call has few tiles; fp8 L1 128 wide in
     3 stages; L2 blocks 128 wide (a 256-wide decode L2 is no faster and holds an SM alone)."""
-    copy = dict(dispatch_parts=_row_chunks(cfg, t))
+    copy = dict(dispatch_parts=row_chunks(cfg.token_bytes // 2, t.copy.hidden_chunk))
     if cfg.dtype == "fp4w":   # no decode pieces: 16-row pieces (fp16 warp MMAs, exact)
         return t.with_(fp4w_rows=16, gemm_claim=True, copy=copy,
                        l1=dict(warps=4, stages=3), l2=dict(warps=4, stages=3, split_m=1,
@@ -218,12 +218,6 @@ def _staged(cfg: MoEConfig, tokens: int, ranks: int, sms: int, *, decode: bool) 
     if cfg.dtype == "fp4w":   # bound by its weight decode: claimed tickets balance programs
         return t.with_(gemm_claim=True)
     return t.with_(l1=dict(group_m=l1_group_m_for(cfg.intermediate // t.l1_tile(cfg)[0], sms)))
-
-
-def _row_chunks(cfg: MoEConfig, t: Tuning) -> int:
-    """Loads of ``Copy.hidden_chunk`` 16-bit words that move one dispatched row."""
-    words = cfg.token_bytes // 2
-    return cdiv(words, min(1 << (words - 1).bit_length(), t.copy.hidden_chunk))
 
 
 def select(config: MoEConfig, tokens: int, *, ranks: int, device: Device,

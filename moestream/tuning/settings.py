@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..config import FP8_GROUP, MoEConfig
+from ..config import FP8_GROUP, MoEConfig, cdiv
 
 __all__ = ["Tuning", "L1", "L2", "Copy", "Fused", "CHUNK_TILE", "EXPERT_CHUNK_TOKENS",
-           "EXPERT_CHUNK_BLOCKS", "ONE_WAVE", "next_pow2", "check_granularity"]
+           "EXPERT_CHUNK_BLOCKS", "ONE_WAVE", "next_pow2", "check_granularity",
+           "row_chunk", "row_chunks"]
 
 # chunked modes (Tuning.with_granularity): tokens a chunk's dispatch task moves at once, the
 # "expert" mode's dispatch task size and its chunk (more m-blocks than any expert has)
@@ -31,6 +32,16 @@ ONE_WAVE = 1 << 30
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def row_chunk(words: int, hidden_chunk: int) -> int:
+    """16-bit words of a row of ``words`` that a copy moves per load."""
+    return min(next_pow2(words), hidden_chunk)
+
+
+def row_chunks(words: int, hidden_chunk: int) -> int:
+    """Loads of ``row_chunk`` words that move one row."""
+    return cdiv(words, row_chunk(words, hidden_chunk))
 
 
 def check_granularity(granularity: int | str, block_m: int) -> None:
