@@ -12,6 +12,9 @@ On the device machine (the arguments after ``--`` go to ``moestream bench``, wit
     python3 benchmarks/ab_commits.py run --base 9ca2c9d --out $OUT/ab.jsonl -- \\
         --shapes qwen3,dsv3 --tokens 2048,8192 --impl staged,fused
 
+A base whose CLI predates the current options takes its own arguments (``--base-args``, one
+string) and is run from whichever of ``moestream.tools.cli`` / ``moestream.cli`` it has.
+
 Each base run starts in the base's own folder: ``python -m`` puts the current directory
 first on sys.path, so PYTHONPATH alone would import the working tree's package. Every run
 prints the file its moestream came from. The rows get a ``code`` field ("base <commit>" or
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,8 +82,14 @@ def format_summary(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cli_module(root: Path) -> str:
+    """The CLI module of the package under ``root``."""
+    return ("moestream.tools.cli" if (root / "moestream" / "tools" / "cli.py").is_file()
+            else "moestream.cli")
+
+
 def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
-        into: Path = AB_DIR) -> list[dict]:
+        base_args: list[str] | None = None, into: Path = AB_DIR) -> list[dict]:
     """``moestream bench`` with ``bench_args`` four times (ORDER), the base from
     ``into``/<commit>; each run's rows (with ``code`` and ``ab_run``) are appended to ``out``
     as soon as it ends. Each run is a fresh process (its own start-up and kernel compiles:
@@ -88,7 +98,7 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
     if not (base / "moestream").is_dir():
         raise ValueError(f"{base}/moestream is missing: run 'ab_commits.py prepare {commit}' "
                          f"on the CPU machine first (the folder travels with the tree)")
-    if any(a == "--out" or a.startswith("--out=") for a in bench_args):
+    if any(a == "--out" or a.startswith("--out=") for a in bench_args + (base_args or [])):
         raise ValueError("pass --out to ab_commits.py, not to moestream bench")
     rows: list[dict] = []
     for i, side in enumerate(ORDER):
@@ -99,7 +109,8 @@ def run(commit: str, out: str, bench_args: list[str], timeout: int, *,
         print(f"[ab {i} {side}] moestream from {where.stdout.strip()}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
             part = f.name
-        res = subprocess.run([sys.executable, "-m", "moestream.tools.cli", "bench", *bench_args,
+        args = base_args if side == "base" and base_args is not None else bench_args
+        res = subprocess.run([sys.executable, "-m", cli_module(cwd), "bench", *args,
                               "--out", part], cwd=cwd, env=env, timeout=timeout)
         if res.returncode:
             raise RuntimeError(f"run {i} ({side}) exited with {res.returncode}")
@@ -128,13 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--base", required=True, help="the commit given to prepare")
     r.add_argument("--out", required=True, help="JSON-lines file the rows are appended to")
     r.add_argument("--timeout", type=int, default=300, help="seconds per bench run")
+    r.add_argument("--base-args", default=None,
+                   help="the base's moestream bench arguments, one string (default: the same)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(prepare(args.commit))
         return
     if not bench_args:
         ap.error("give the moestream bench arguments after --")
-    print(format_summary(summarize(run(args.base, args.out, bench_args, args.timeout))))
+    base_args = shlex.split(args.base_args) if args.base_args is not None else None
+    print(format_summary(summarize(run(args.base, args.out, bench_args, args.timeout,
+                                       base_args=base_args))))
 
 
 if __name__ == "__main__":

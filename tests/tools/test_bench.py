@@ -669,6 +669,15 @@ def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
         mod.run("abc", str(tmp_path / "o.jsonl"), ["--shapes", "qwen3"], 10, into=tmp_path)
     with pytest.raises(ValueError, match="pass --out to ab_commits.py"):
         mod.run("HEAD", str(tmp_path / "o.jsonl"), ["--out", "x.jsonl"], 10, into=tmp_path)
+    with pytest.raises(ValueError, match="pass --out to ab_commits.py"):
+        mod.run("HEAD", str(tmp_path / "o.jsonl"), ["--shapes", "qwen3"], 10,
+                base_args=["--out=x.jsonl"], into=tmp_path)
+    # a base from before the tools subpackage is run through its own CLI module
+    assert mod.cli_module(dest) == "moestream.tools.cli"
+    old = tmp_path / "old"
+    (old / "moestream").mkdir(parents=True)
+    (old / "moestream" / "cli.py").write_text("")
+    assert mod.cli_module(old) == "moestream.cli"
 
 
 def test_bench_weights_are_drawn_per_expert_reproducibly():
