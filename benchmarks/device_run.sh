@@ -3,11 +3,12 @@
 # Usage (from the repo root on the GPU machine): bash benchmarks/device_run.sh [steps]
 # steps: comma list of env,test,run,gemm,quant,ep,trace,sweep,layer,probe,ncu,ab (default env,test,gemm,ep)
 # AB_BASE=<commit> AB_ARGS="<moestream bench arguments>": the ab step runs them base, new, new, base
-#   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab)
+#   (benchmarks/ab_commits.py; prepare the commit on the CPU machine and carry benchmarks/.ab);
+#   AB_BASE_ARGS: the base's own bench arguments where its CLI predates the current options
 # GEMM_VARIANTS: the gemm step's variants (moestream.tools.bench_kernels.VARIANTS; default
 #   layer-call, what the layer runs in bf16; fp8-layer-call in fp8)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
-# TRACE_TUNING=wave_blocks=264: the trace step with stages.Tuning overrides (moestream trace --tuning)
+# TRACE_TUNING=l1.block_n=128: the trace step with Tuning overrides (dotted names) (moestream trace --tuning)
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
@@ -79,7 +80,8 @@ if has probe; then
 fi
 if has ab; then
   timeout ${AB_TIMEOUT:-300} python3 benchmarks/ab_commits.py run --base "$AB_BASE" \
-    --timeout ${AB_RUN_TIMEOUT:-120} --out "$OUT/ab.jsonl" -- $AB_ARGS 2>&1 | tee "$OUT/ab.log" | tail -30
+    --timeout ${AB_RUN_TIMEOUT:-120} --out "$OUT/ab${AB_TAG:-}.jsonl" \
+    ${AB_BASE_ARGS:+--base-args "$AB_BASE_ARGS"} -- $AB_ARGS 2>&1 | tee "$OUT/ab${AB_TAG:-}.log" | tail -30
 fi
 if has ncu; then
   # Nsight Compute counters of single GEMM launches (one process per NCU_CONFIGS item
