@@ -5,8 +5,10 @@ Two halves:
 * CPU: the layout arithmetic, input validation, the clear errors when the ops / CUDA / NVSHMEM
   are missing, and the whole forward on R virtual ranks in one process with the two symmetric
   ops replaced by an emulation written from torch's kernels (``emulate_dispatch`` /
-  ``emulate_combine``): routing, tile padding, the regroup path and the combine are the real
-  code. Unused recv/send rows are filled with NaN first, so padding that leaked would show.
+  ``emulate_combine``) between the module's public stages (``route``, ``run_experts``,
+  ``weighted_sum``) on ``SymmA2AContext.unshared`` contexts: routing, tile padding, the regroup
+  path and the weighted sum are the real code. Unused recv/send rows are filled with NaN first,
+  so padding that leaked would show.
 * GPU (``gpu`` + ``multigpu``, skipped without 2 GPUs, the ops or NVSHMEM): the real ops on 2
   ranks spawned with NCCL; every rank rebuilds the global view from a seed, the parent checks
   y against ``moestream.reference`` and the ops' splits/offsets against the emulation's, and
@@ -19,15 +21,19 @@ import zlib
 import pytest
 import torch
 
-from moestream.tools.baselines import torch_symm
 from moestream.tools.baselines.torch_symm import (
+    ID_COLUMNS,
     SymmA2AContext,
     SymmA2ALayout,
     SymmUnavailableError,
+    check_symm_ops,
     check_symm_support,
     default_expert_groups,
     moe_forward_symm,
+    route,
+    run_experts,
     symm_unavailable_reason,
+    weighted_sum,
 )
 from moestream.config import MoEConfig
 from moestream.reference import moe_forward_ranks
@@ -177,16 +183,16 @@ def emulated_forward(inp: dict, world_size: int, num_experts: int, *, major_alig
     layout = SymmA2ALayout(max_tokens=MAX_TOKENS, hidden=hidden, top_k=top_k,
                            num_experts=num_experts, num_ranks=world_size,
                            major_align=major_align, expert_groups=expert_groups)
-    ctxs = [SymmA2AContext._unshared(layout, r) for r in range(world_size)]
+    ctxs = [SymmA2AContext.unshared(layout, r) for r in range(world_size)]
     for c in ctxs:   # stale rows: NaN, so that padding or unsent rows used by mistake show up
         c.send.fill_(float("nan"))
         c.recv.fill_(float("nan"))
-    plans = [torch_symm._route(c, x, idx) for c, x, idx in zip(ctxs, inp["x"], inp["topk_idx"])]
+    plans = [route(c, x, idx) for c, x, idx in zip(ctxs, inp["x"], inp["topk_idx"])]
     emulate_dispatch(ctxs)
     for c, w13, w2 in zip(ctxs, inp["w13"], inp["w2"]):
-        torch_symm._run_experts(c, w13, w2)
+        run_experts(c, w13, w2)
     emulate_combine(ctxs)
-    ys = [torch_symm._combine(c, p, w) for c, p, w in zip(ctxs, plans, inp["topk_weights"])]
+    ys = [weighted_sum(c, p, w) for c, p, w in zip(ctxs, plans, inp["topk_weights"])]
     return ys, ctxs
 
 
@@ -207,7 +213,7 @@ def test_layout_sizes(R: int, E: int, G, A: int, regroup: bool) -> None:
     g = default_expert_groups(e) if G is None else G
     assert lay.local_experts == e and lay.expert_groups == g and lay.regroup == regroup
     assert lay.experts_per_group == e // g
-    W = 7168 + (torch_symm.ID_COLUMNS if regroup else 0)
+    W = 7168 + (ID_COLUMNS if regroup else 0)
     assert lay.row_width == W
     assert lay.send_rows == 800
     assert lay.recv_rows == R * 800 + g * A       # all picks of all ranks + a tile pad per group
@@ -262,10 +268,23 @@ def test_needs_cuda() -> None:
         SymmA2AContext(8, H, K, 8)
 
 
+class SymmMemOps:
+    """Stands in for torch.ops.symm_mem: ``renamed`` maps an op's name to another real op's
+    name, or to None for an op this torch would not register; other names pass through."""
+
+    def __init__(self, real, renamed: dict) -> None:
+        self.real, self.renamed = real, renamed
+
+    def __getattr__(self, name: str):
+        target = self.renamed.get(name, name)
+        if target is None:
+            raise AttributeError(f"'_OpNamespace' 'symm_mem' object has no attribute '{name}'")
+        return getattr(self.real, target)
+
+
 def test_missing_op_is_named(monkeypatch) -> None:
-    real = torch_symm._lookup_op
-    monkeypatch.setattr(torch_symm, "_lookup_op",
-                        lambda name: None if name == "all_to_all_vdev_2d_offset" else real(name))
+    monkeypatch.setattr(torch.ops, "symm_mem",
+                        SymmMemOps(torch.ops.symm_mem, {"all_to_all_vdev_2d_offset": None}))
     with pytest.raises(SymmUnavailableError,
                        match=r"no torch\.ops\.symm_mem\.all_to_all_vdev_2d_offset"):
         check_symm_support()
@@ -274,19 +293,17 @@ def test_missing_op_is_named(monkeypatch) -> None:
 
 def test_other_schema_is_named(monkeypatch) -> None:
     # an op without major_align (the 1D all_to_all_vdev has the first five arguments)
-    real = torch_symm._lookup_op
-    monkeypatch.setattr(torch_symm, "_lookup_op",
-                        lambda name: real("all_to_all_vdev") if name == "all_to_all_vdev_2d"
-                        else real(name))
-    if real("all_to_all_vdev") is None:
+    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
         pytest.skip("this torch has no all_to_all_vdev to stand in for an old schema")
+    monkeypatch.setattr(torch.ops, "symm_mem",
+                        SymmMemOps(torch.ops.symm_mem, {"all_to_all_vdev_2d": "all_to_all_vdev"}))
     with pytest.raises(SymmUnavailableError, match=r"all_to_all_vdev_2d has schema .*major_align"):
         check_symm_support()
 
 
 def test_installed_schemas_match() -> None:
     # the installed torch registers both ops (CPU builds too) with the relied-on schemas
-    torch_symm._check_ops()
+    check_symm_ops()
 
 
 # ---- CPU: argument checks ---------------------------------------------------------------------
@@ -297,7 +314,7 @@ def _unshared_call_args(**changes) -> tuple[dict, SymmA2AContext]:
                 w13=inp["w13"][0], w2=inp["w2"][0], num_experts=8)
     args.update(changes)
     layout = SymmA2ALayout(max_tokens=MAX_TOKENS, hidden=H, top_k=K, num_experts=8, num_ranks=1)
-    return args, SymmA2AContext._unshared(layout, 0)
+    return args, SymmA2AContext.unshared(layout, 0)
 
 
 def test_good_arguments_reach_the_ops() -> None:

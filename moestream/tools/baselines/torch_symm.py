@@ -58,6 +58,10 @@ extra bf16 columns (16 bytes, the "id columns"), and the receiver sorts the vali
 before the grouped GEMMs and scatters the results back (the regroup path, what
 ``moe_forward_a2a`` does after its all_to_all_single).
 
+Stages: ``moe_forward_symm`` is ``route``, the dispatch, ``run_experts``, the combine, then
+``weighted_sum``. The three local stages are public so that the two ops can be stood in for: the
+CPU tests run them on virtual ranks over ``SymmA2AContext.unshared`` contexts, the ops emulated.
+
 Buffer reuse is race-free without extra barriers: a buffer a peer reads (``send`` during
 dispatch, ``recv`` during combine) or writes into (the splits/offsets tensors) is only touched
 again after the next op's entry barrier, which that peer reaches only once it is done with it.
@@ -86,9 +90,10 @@ import torch.nn.functional as F
 from ...checks import check_expert_weights, check_routing, check_tensor, check_topk_range
 from .torch_a2a import _expert_mm, _has_grouped_mm
 
-__all__ = ["ID_COLUMNS", "OP_MAX_EXPERT_GROUPS", "OP_MAX_RANKS", "SymmA2AContext",
-           "SymmA2ALayout", "SymmUnavailableError", "check_symm_support",
-           "default_expert_groups", "moe_forward_symm", "symm_unavailable_reason"]
+__all__ = ["ID_COLUMNS", "OP_MAX_EXPERT_GROUPS", "OP_MAX_RANKS", "RoutePlan", "SymmA2AContext",
+           "SymmA2ALayout", "SymmUnavailableError", "check_symm_ops", "check_symm_support",
+           "default_expert_groups", "moe_forward_symm", "route", "run_experts",
+           "symm_unavailable_reason", "weighted_sum"]
 
 OP_MAX_RANKS = 16            # combine: "world_size must be smaller than NUM_TILES" (512/32)
 OP_MAX_EXPERT_GROUPS = 16    # dispatch: "Number of experts must be smaller than NUM_TILES"
@@ -116,7 +121,9 @@ def _lookup_op(name: str):
         return None
 
 
-def _check_ops() -> None:
+def check_symm_ops() -> None:
+    """Raise ``SymmUnavailableError`` unless this torch registers the two ops with the schemas
+    relied on (see the module docstring); needs no CUDA, NVSHMEM or process group."""
     if not dist.is_available():
         raise SymmUnavailableError(f"torch {torch.__version__} is built without torch.distributed")
     try:
@@ -148,7 +155,7 @@ def check_symm_support(device: torch.device | str | None = None) -> None:
     """Raise ``SymmUnavailableError`` unless torch-symm can run here: the two ops with the
     expected schemas, CUDA, NVSHMEM loadable by torch, and (if ``device`` is given) a CUDA
     device with ``torch._grouped_mm`` (sm90+). Starts nothing; reads no process group."""
-    _check_ops()
+    check_symm_ops()
     if not torch.cuda.is_available():
         raise SymmUnavailableError("torch-symm needs CUDA GPUs "
                                    "(torch.cuda.is_available() is False)")
@@ -411,10 +418,11 @@ class SymmA2AContext:
             self._warmup()
 
     @classmethod
-    def _unshared(cls, layout: SymmA2ALayout, rank: int,
-                  device: torch.device | str = "cpu") -> SymmA2AContext:
-        """Testing only: the same buffers as ordinary zeroed tensors, for one of ``layout``'s
-        ranks. ``moe_forward_symm`` refuses it; the tests drive its stages with emulated ops."""
+    def unshared(cls, layout: SymmA2ALayout, rank: int,
+                 device: torch.device | str = "cpu") -> SymmA2AContext:
+        """For tests: rank ``rank`` of ``layout`` with ``buffer_shapes()`` as ordinary zeroed
+        tensors on ``device`` (no process group). ``moe_forward_symm`` refuses it; ``route``,
+        ``run_experts`` and ``weighted_sum`` take it, the two ops emulated in between."""
         self = cls.__new__(cls)
         self.layout, self.rank, self.device = layout, rank, torch.device(device)
         self.group = self.group_name = None
@@ -465,16 +473,18 @@ class SymmA2AContext:
 # ---- the forward, in stages (the tests drive the stages with emulated ops) ------------------
 
 @dataclass
-class _Plan:
+class RoutePlan:
+    """What ``route`` leaves for ``weighted_sum``: order_P [P] int64, valid_P [P] bool, T, K."""
     order_P: torch.Tensor     # [P] int64: sorted pick -> pick (t*K + k)
     valid_P: torch.Tensor     # [P] bool: sorted pick i goes to an expert (not -1)
     T: int
     K: int
 
 
-def _route(ctx: SymmA2AContext, x: torch.Tensor, topk_idx: torch.Tensor) -> _Plan:
-    """Sort the picks by global expert (= rank-major, then local expert), fill ``send`` and
-    ``in_splits``. -1 picks sort last and are not sent."""
+def route(ctx: SymmA2AContext, x: torch.Tensor, topk_idx: torch.Tensor) -> RoutePlan:
+    """Before the dispatch: x [T, H] bf16, topk_idx [T, K] int32/int64 -> ``ctx.send[:T*K]``
+    bf16 rows and ``ctx.in_splits`` [S] int64. The picks are sorted by global expert
+    (= rank-major, then local expert); -1 picks sort last and are not sent."""
     L = ctx.layout
     T, K = topk_idx.shape
     P, H, E_all = T * K, L.hidden, L.num_experts
@@ -492,7 +502,7 @@ def _route(ctx: SymmA2AContext, x: torch.Tensor, topk_idx: torch.Tensor) -> _Pla
         ctx.send.view(torch.int16)[:P, H].copy_(torch.remainder(key_sorted_P, L.local_experts))
     else:
         torch.index_select(x, 0, tok_P, out=ctx.send[:P])
-    return _Plan(order_P, key_sorted_P < E_all, T, K)
+    return RoutePlan(order_P, key_sorted_P < E_all, T, K)
 
 
 def _dispatch(ctx: SymmA2AContext) -> None:
@@ -527,8 +537,9 @@ def _ffn(a_ND: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _grouped(act_NI, w2, offs_E)
 
 
-def _run_experts(ctx: SymmA2AContext, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """Expert FFN of every received row, written over the row in ``recv``."""
+def run_experts(ctx: SymmA2AContext, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Between the ops: w13 [E, 2I, H], w2 [E, H, I] bf16; the expert FFN of the rows received
+    in ``ctx.recv`` [N, W] bf16 (found by ``ctx.disp_splits_offsets`` [2, S] int64), in place."""
     L = ctx.layout
     E, R, A, H = L.local_experts, L.num_ranks, L.major_align, L.hidden
     so = ctx.disp_splits_offsets
@@ -562,8 +573,10 @@ def _run_experts(ctx: SymmA2AContext, w13: torch.Tensor, w2: torch.Tensor) -> No
     recv_NH.index_copy_(0, perm_N, out_NH)
 
 
-def _combine(ctx: SymmA2AContext, plan: _Plan, topk_weights: torch.Tensor) -> torch.Tensor:
-    """y[t] = sum_k w[t,k] * row of pick (t, k), in fp32; rows of -1 picks count 0."""
+def weighted_sum(ctx: SymmA2AContext, plan: RoutePlan,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+    """After the combine: y [T, H] bf16, y[t] = sum_k topk_weights[t, k] ([T, K] fp32) * the
+    ``ctx.send`` row of pick (t, k), summed in fp32; -1 picks count 0."""
     T, K, H = plan.T, plan.K, ctx.layout.hidden
     P = T * K
     w_P = topk_weights.reshape(-1).index_select(0, plan.order_P)
@@ -631,7 +644,7 @@ def moe_forward_symm(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     Raises:
         ValueError: bad shapes, dtypes, devices, or arguments that disagree with ``ctx``
             (checked before any collective); with ``validate``, expert ids out of range.
-        RuntimeError: a closed context, or one made by ``SymmA2AContext._unshared``.
+        RuntimeError: a closed context, or one made by ``SymmA2AContext.unshared``.
     """
     if not isinstance(ctx, SymmA2AContext):
         raise ValueError(f"ctx must be a SymmA2AContext, got {type(ctx).__name__}")  # noqa: TRY004
@@ -641,11 +654,11 @@ def moe_forward_symm(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     if validate:
         check_topk_range(topk_idx, num_experts)
     if not ctx.symmetric:
-        raise RuntimeError("this SymmA2AContext has no symmetric memory (SymmA2AContext._unshared "
+        raise RuntimeError("this SymmA2AContext has no symmetric memory (SymmA2AContext.unshared "
                            "is for tests): build one with SymmA2AContext(...)")
     with torch.cuda.device(ctx.device):
-        plan = _route(ctx, x, topk_idx)
+        plan = route(ctx, x, topk_idx)
         _dispatch(ctx)
-        _run_experts(ctx, w13, w2)
+        run_experts(ctx, w13, w2)
         _combine_rows(ctx)
-        return _combine(ctx, plan, topk_weights)
+        return weighted_sum(ctx, plan, topk_weights)
