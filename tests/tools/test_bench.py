@@ -381,7 +381,8 @@ def test_stage_times_on_one_gpu(timer):
     # every stage of a staged call on one GPU (one virtual rank) gets a GPU time, launched
     # from Python or inside a graph replay; the stages add up to the call, and the output is
     # the layer's
-    from moestream import SymmBuffer, bench_ep
+    from moestream import SymmBuffer
+    from moestream.tools import bench_ep
     from moestream.tools.bench_ep import _staged_call
     from moestream.staged import STAGES
     from moestream.reference import moe_forward
