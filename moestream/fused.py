@@ -11,12 +11,12 @@ from .buffer import SymmBuffer
 from .config import cdiv
 from .kernels import fused as _fused
 from .kernels._common import INTERPRET, next_pow2
-from .launch import (a_rows, constants, ensure_allocator, host_descriptors, launch_kw, programs,
-                     split_scratch, tma, tuning_for, weight_tables)
+from .launch import (a_rows, constants, ensure_allocator, gemm_weights, host_descriptors,
+                     launch_kw, programs, split_scratch, tma, tuning_for, weight_tables)
 from .staged import layout, publish
 from .tuning import Tuning, fused_min_split
 
-__all__ = ["fused", "max_tickets", "fused_tuning", "run_fused"]
+__all__ = ["fused", "check_fused_tuning", "max_tickets", "fused_tuning", "run_fused"]
 
 
 def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
@@ -34,6 +34,14 @@ def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     return buffer.local_ranks * per_rank
 
 
+def check_fused_tuning(cfg, tuning: Tuning) -> None:
+    """What the fused launch needs of a tuning beyond ``Tuning.check`` (ValueError): fp4w
+    weights expanded to fp8 blocks (it has no MXFP4 decode)."""
+    if tuning.decodes_fp4w(cfg):
+        raise ValueError("the fused launch reads fp4w weights expanded to fp8 blocks: "
+                         "Tuning.fp4w_expand=True (the policy's choice for impl='fused')")
+
+
 def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.Tensor],
           y: torch.Tensor, *, tuning: Tuning = Tuning(), trace: torch.Tensor | None = None
           ) -> None:
@@ -42,11 +50,12 @@ def fused(buffer: SymmBuffer, w13s: Sequence[torch.Tensor], w2s: Sequence[torch.
     (see kernels/fused.py)."""
     cfg = buffer.config
     c = constants(buffer)
-    if cfg.dtype == "fp4w":
-        raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only (impl='staged')")
+    check_fused_tuning(cfg, tuning)
+    w13s = gemm_weights(buffer, w13s, tuning, "l1")
+    w2s = gemm_weights(buffer, w2s, tuning, "l2")
     bn1, bk1 = tuning.l1_tile(cfg)
     bn2, bk2 = tuning.l2_tile(cfg)
-    fp8 = cfg.dtype == "fp8"
+    fp8 = cfg.fp8_tokens
     dm = tuning.decode_pieces(cfg)
     group = tuning.fused.l2_group
     if group > 1 and dm:
@@ -122,6 +131,7 @@ def run_fused(buffer: SymmBuffer, xs: Sequence[torch.Tensor], topk_idxs: Sequenc
     tuning = fused_tuning(buffer, max(x.shape[0] for x in xs), tuning=tuning,
                           granularity=granularity)
     tuning.check(buffer.config)
+    check_fused_tuning(buffer.config, tuning)
     for lr in range(buffer.local_ranks):
         publish(buffer, lr, xs[lr], topk_idxs[lr], topk_weights[lr], tuning=tuning)
     layout(buffer, tuning=tuning, waves=True)

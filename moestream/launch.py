@@ -1,6 +1,7 @@
 """What every launcher shares: a buffer's launch constants and region offsets, the device the
 tuning policy sees, program counts, launch options, tensor descriptors built on the host,
-split-K scratch, and when stream order stands in for a signal."""
+split-K scratch, when stream order stands in for a signal, and the GEMMs' weights as the
+tuning has them read (fp4w expanded to fp8 blocks)."""
 from __future__ import annotations
 
 from collections import namedtuple
@@ -10,6 +11,7 @@ from typing import Sequence
 import torch
 
 from .buffer import SymmBuffer
+from .kernels import expand as _expand
 from .kernels._common import INTERPRET, next_pow2, triton
 from .regions import REGION_NAMES
 from .tuning import Device, Tuning, select
@@ -18,7 +20,7 @@ from .tuning.settings import row_chunk, row_chunks
 __all__ = ["Constants", "Offsets", "constants", "device_of", "tuning_for", "tma", "programs",
            "resident_per_sm", "launch_kw", "host_descriptors", "a_rows", "split_scratch",
            "weight_tables", "ensure_allocator", "stream_ordered", "wave_blocks",
-           "row_chunk", "row_chunks"]
+           "row_chunk", "row_chunks", "fp4w_as_fp8", "gemm_weights"]
 
 # Every region's byte offset (and the reset span's), one kernel argument: offs.pool_x, ...
 Offsets = namedtuple("Offsets", REGION_NAMES + ("reset",))
@@ -159,6 +161,39 @@ def weight_tables(buffer: SymmBuffer, ws: Sequence) -> tuple[torch.Tensor, torch
                 buffer.weight_table([w[1] for w in ws]))
     tab = buffer.weight_table(ws)
     return tab, tab
+
+
+def fp4w_as_fp8(w: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 (packed [E, N, K/2] uint8, scales [E, N, K/32] uint8) -> the fp8 GEMMs' weights
+    (values [E, N, K] float8_e4m3fn, scale_inv [E, N/128, K/128] fp32) in one launch
+    (``kernels/expand.py``: exact where a 128x128 block's E8M0 codes span at most 14), into
+    ``out`` (values, scale_inv) when given."""
+    packed, codes = w
+    E, N, KH = packed.shape
+    K = 2 * KH
+    q, scale_inv = out if out is not None else (
+        torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=packed.device),
+        torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=packed.device))
+    _expand.mxfp4_to_fp8_kernel[(E * N // 128, K // 128)](
+        packed, codes, q, scale_inv, K, FIX_ROUNDING=INTERPRET, **launch_kw(4))
+    return q, scale_inv
+
+
+def gemm_weights(buffer: SymmBuffer, ws: Sequence, tuning: Tuning, gemm: str) -> Sequence:
+    """The weights GEMM ``gemm`` ("l1" / "l2") reads: ``ws`` as given, or with
+    ``Tuning.fp4w_expand`` the fp4w pairs expanded for this call (``fp4w_as_fp8``) into work
+    tensors of the buffer (fixed addresses: the weight tables and CUDA graphs keep them)."""
+    if buffer.config.dtype != "fp4w" or not tuning.fp4w_expand:
+        return ws
+    out = []
+    for lr, (packed, codes) in enumerate(ws):
+        E, N, KH = packed.shape
+        dest = (buffer.scratch(f"{gemm}_fp4w_values_{lr}", (E, N, 2 * KH), torch.float8_e4m3fn),
+                buffer.scratch(f"{gemm}_fp4w_scale_inv_{lr}", (E, N // 128, KH // 64),
+                               torch.float32))
+        out.append(fp4w_as_fp8((packed, codes), out=dest))
+    return out
 
 
 def _capturing(buffer: SymmBuffer) -> bool:

@@ -112,7 +112,7 @@ def mega_moe_virtual(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
             raise ValueError(f"out must be [R={R}, >= {t_out}, H={buffer.config.hidden}] with "
                              f"unit stride along H, got shape {tuple(out.shape)} strides "
                              f"{out.stride()}")
-    runner(impl, granularity, buffer.config)(buffer, xs, idxs, ws, w13s, w2s, out,
+    runner(impl, granularity)(buffer, xs, idxs, ws, w13s, w2s, out,
                                              tuning=tuning)
     buffer.check()
     return [out[r, :x.shape[0]] for r, x in enumerate(xs)]
@@ -157,7 +157,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             Without it, ids outside [-1, E) are ignored by the kernels and reported as a
             ValueError by a later call (or ``buffer.check()``).
         impl: "staged" (default: one launch per stage) or "fused" (one persistent launch for
-            dispatch, L1, L2 and combine; not in fp4w mode).
+            dispatch, L1, L2 and combine; fp4w weights expanded to fp8 blocks each call).
         tuning: launch settings (``moestream.tuning.Tuning``; None: ``tuning.select``'s for
             this call and device).
         granularity: streaming mode of the fused launch: "token" (default), C (chunked,
@@ -193,7 +193,7 @@ def _call_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_tensor("out", out, shape=(T, H), dtype=torch.bfloat16, device=buffer.device)
         if out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along H, got strides {out.stride()}")
-    runner(impl, granularity, buffer.config)   # checks impl against granularity and dtype
+    runner(impl, granularity)   # checks impl against granularity
     if impl == "fused":
         check_granularity(granularity, buffer.config.block_m)
     gran, tun = option_keys(granularity, tuning)

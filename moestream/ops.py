@@ -46,11 +46,9 @@ __all__ = ["mega_moe_op", "mega_moe_out_op", "runner", "option_keys", "IMPLS", "
 IMPLS = ("staged", "fused")
 
 
-def runner(impl: str, granularity: int | str, config):
+def runner(impl: str, granularity: int | str):
     """The run function of ``impl`` in streaming mode ``granularity`` (a malformed granularity
     is a ValueError from ``fused.fused_tuning``, before anything is launched)."""
-    if impl == "fused" and config.dtype == "fp4w":
-        raise ValueError("MoEConfig dtype 'fp4w' runs on the staged path only: impl='staged'")
     if impl == "staged":
         if granularity != "token":
             raise ValueError(f"granularity={granularity!r} needs impl='fused' (the staged path "
@@ -137,7 +135,7 @@ def _run(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     """One call of the layer on the buffer ``buffer_id`` (mega_moe's body after its checks)."""
     buffer = SymmBuffer.from_op_id(buffer_id)
     _check_buffer_fits(buffer, buffer_id, x, topk_idx, w13)
-    run = runner(impl, _granularity(granularity), buffer.config)
+    run = runner(impl, _granularity(granularity))
     if buffer.config.dtype == "fp4w":   # addresses are not known while a graph is traced
         check_fp4w_alignment(w13, w2)
     capturing = buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

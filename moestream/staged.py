@@ -23,9 +23,9 @@ from .kernels import l2 as _l2
 from .kernels import pool as _pool
 from .kernels import publish as _publish
 from .kernels._common import INTERPRET, next_pow2
-from .launch import (a_rows, constants, ensure_allocator, host_descriptors, launch_kw, programs,
-                     row_chunk, row_chunks, split_scratch, stream_ordered, tma, tuning_for,
-                     wave_blocks, weight_tables)
+from .launch import (a_rows, constants, ensure_allocator, gemm_weights, host_descriptors,
+                     launch_kw, programs, row_chunk, row_chunks, split_scratch, stream_ordered,
+                     tma, tuning_for, wave_blocks, weight_tables)
 from .regions import DIAG_FIELDS
 from .tuning import Tuning
 
@@ -118,6 +118,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
     fp4w mode (packed, scales)."""
     cfg = buffer.config
     c = constants(buffer)
+    w13s = gemm_weights(buffer, w13s, tuning, "l1")
     bn, bk = tuning.l1_tile(cfg)
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)
@@ -135,7 +136,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
         a_rows=a_rows(cfg.block_m, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
-    split = tuning.l1.split_k if dm and not tail and cfg.dtype in ("bf16", "fp8") else 1
+    split = tuning.l1.split_k if dm and not tail and not w4 else 1
     sums, counts = split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
     # the host's base in decode pieces only: whole tiles are slower with it, and there a
     # program's first loads weigh nothing
@@ -160,6 +161,7 @@ def l2(buffer: SymmBuffer, w2s: Sequence, *, tuning: Tuning = Tuning()) -> None:
     mode (packed, scales)."""
     cfg = buffer.config
     c = constants(buffer)
+    w2s = gemm_weights(buffer, w2s, tuning, "l2")
     bn, bk = tuning.l2_tile(cfg)
     fp8 = cfg.fp8_tokens
     w4 = tuning.fp4w_pieces(cfg)

@@ -315,7 +315,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         run_staged(*args, tuning=dec8.with_(host_descriptors=True))
         label[0] = " fp8 grouped"
         run_staged(*args, tuning=tuning8.with_(l1=dict(group_m=8)))
-        # the fp4w layer (staged only): fp8 rows, MXFP4 weights in 64-row / 16-row pieces
+        # the fp4w layer: fp8 rows, MXFP4 weights in 64-row / 16-row pieces, or expanded to
+        # fp8 blocks for the fp8 GEMMs
         cfg4 = cfg.with_(dtype="fp4w")
         buf = SymmBuffer(cfg4, num_ranks=1, device="cpu")
         w13s, w2s = _tiny_weights(cfg4, 1)
@@ -325,6 +326,8 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
         run_staged(*args, tuning=tuning4)
         label[0] = " fp4w decode"
         run_staged(*args, tuning=in_decode_pieces(tuning4, 16, cfg4))
+        label[0] = " fp4w expand"
+        run_staged(*args, tuning=tuning4.with_(fp4w_expand=True))
         label[0] = ""
     return _facts(compiled)
 

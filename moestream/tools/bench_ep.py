@@ -26,8 +26,10 @@ Providers, measured in the same run on the same inputs:
                   ours with MXFP4 weights (MoEConfig dtype "fp4w": the fp8 tokens, weights
                   quantized from the same bf16 experts to e2m1 + E8M0 per 32); rows carry dtype
                   "fp4w" and agree with torch's bf16 output within the MXFP4 quantization error
-                  (docs/quantization.md: ~0.2 on random data; FP4W_AGREE). Staged only; the
-                  -stages and -tuned-graph forms exist for it as for fp8.
+                  (docs/quantization.md: ~0.2 on random data; FP4W_AGREE). The -stages and
+                  -tuned-graph forms exist for it as for fp8.
+    fp4w-fused-graph  the fp4w layer in the fused launch (weights expanded to fp8 blocks each
+                  call), replayed from CUDA graphs.
     staged-tuned-graph, fp8-staged-tuned-graph
                   staged-graph / fp8-staged-graph with ``Tuning`` fields overridden
                   (``tuning=``, CLI ``--tuning gemm_claim=true,l1.block_n=128``) on top of each
@@ -76,7 +78,7 @@ PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-sta
              "staged-tuned-graph", "fp8-staged-tuned-graph", "fp4w-staged", "fp4w-staged-graph",
              "fp4w-staged-stages", "fp4w-staged-graph-stages", "fp4w-staged-tuned-graph",
              "staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages", "fused-tuned-graph",
-             "fp8-fused-tuned-graph")
+             "fp8-fused-tuned-graph", "fp4w-fused-graph")
 # fp8 vs torch's bf16 layer: the quantization error of random data (~6e-2) with headroom; a
 # scale applied twice or a misplaced row is far outside
 FP8_AGREE = 0.12
@@ -136,7 +138,7 @@ def compose_providers(*, impl: Sequence[str] = ("staged", "fused"),
     layer runs, plus the tuned form of each when ``tuned``, then the baselines.
 
     Returns (providers, skipped): ``skipped`` names each asked-for combination the layer or
-    this benchmark does not run (fp4w fused, chunked staged, fp8 chunked, per-stage fused,
+    this benchmark does not run (chunked staged, fp8 chunked, per-stage fused,
     chunked without graphs, ...). ValueError when nothing of ours or the baselines is left."""
     names, skipped = [], []
     for fmt in dtype:
@@ -438,6 +440,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     "fp8-fused-graph": ourq("fp8", "fused"),
                     "fp4w-staged": ourq("fp4w", "staged"),
                     "fp4w-staged-graph": ourq("fp4w", "staged"),
+                    "fp4w-fused-graph": ourq("fp4w", "fused"),
                     "staged-tuned-graph": tuned(buf, (w13, w2)),
                     "fp8-staged-tuned-graph": tuned(*qbuf.get("fp8", none)),
                     "fp4w-staged-tuned-graph": tuned(*qbuf.get("fp4w", none)),

@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--impl", type=names_from(("staged", "fused")), default=["staged", "fused"],
                    help="our launches: staged (one per stage), fused (one persistent launch)")
     b.add_argument("--dtype", type=names_from(("bf16", "fp8", "fp4w")), default=["bf16"],
-                   help="our formats, comma list (fp4w runs staged only)")
+                   help="our formats, comma list")
     b.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="time CUDA-graph replays of our calls (--no-graph: Python launches)")
     b.add_argument("--granularity", type=_granularities_arg, default=["token"],

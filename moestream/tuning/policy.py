@@ -17,7 +17,7 @@ __all__ = ["Device", "select", "gpu_defaults", "in_decode_pieces", "for_fused",
            "mean_rows_per_expert", "decode_rows_for", "tail_rows_for", "one_dot_for",
            "fp8_l1_split_for", "l1_group_m_for", "fused_l2_group_for", "fused_min_split",
            "combine_parts_for", "ONE_DOT_L1_STAGES", "ONE_DOT_SHALLOW_MIN_HIDDEN",
-           "FP8_L2_TILE_MIN_I", "DISPATCH_TILE8_PICKS"]
+           "FP8_L2_TILE_MIN_I", "DISPATCH_TILE8_PICKS", "FP4W_EXPAND_MIN_ROWS", "fp4w_expands"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,23 @@ FP8_L2_TILE_MIN_I = 2048
 # Calls whose rank takes at least this many picks (tokens x top_k) dispatch 8 tokens per
 # ticket instead of 4: more rows in flight pays for large calls only.
 DISPATCH_TILE8_PICKS = 16384
+# fp4w calls whose experts average at least this many rows expand the MXFP4 weights to fp8
+# blocks once per call: the GEMMs decode an expert's weights again in every piece of rows, so
+# the one expansion pays from 128 rows per expert (at 32 it is as fast, at 16 slower).
+FP4W_EXPAND_MIN_ROWS = 64
 
 
 def mean_rows_per_expert(*, tokens: int, ranks: int, top_k: int, num_experts: int) -> float:
     """Rows an expert receives on average under uniform routing (``tokens`` per rank)."""
     return tokens * ranks * top_k / max(num_experts, 1)
+
+
+def fp4w_expands(*, tokens: int, ranks: int, top_k: int, num_experts: int,
+                 impl: str) -> bool:
+    """Whether an fp4w call expands its weights to fp8 blocks (``Tuning.fp4w_expand``): the
+    fused launch always (it has no MXFP4 decode), the staged one from FP4W_EXPAND_MIN_ROWS."""
+    return impl == "fused" or mean_rows_per_expert(
+        tokens=tokens, ranks=ranks, top_k=top_k, num_experts=num_experts) >= FP4W_EXPAND_MIN_ROWS
 
 
 def decode_rows_for(*, tokens: int, ranks: int, top_k: int, num_experts: int,
@@ -227,6 +239,11 @@ def select(config: MoEConfig, tokens: int, *, ranks: int, device: Device,
     mode, ``Tuning.with_granularity``). Without a GPU (``device.sms`` 0): ``Tuning()``."""
     if impl not in ("staged", "fused"):
         raise ValueError(f"impl must be 'staged' or 'fused', got {impl!r}")
+    if config.dtype == "fp4w" and fp4w_expands(tokens=tokens, ranks=ranks, top_k=config.top_k,
+                                               num_experts=config.num_experts, impl=impl):
+        # the expanded weights run the fp8 GEMMs: the fp8 call's tuning
+        return select(config.with_(dtype="fp8"), tokens, ranks=ranks, device=device,
+                      impl=impl).with_(fp4w_expand=True)
     if not device.sms:
         return Tuning()
     if impl == "staged":

@@ -250,6 +250,9 @@ class Tuning:
         most decode_rows valid rows as one piece, a fuller one in 32-row pieces.
     fp4w_rows: MXFP4 weights: rows per piece of a block (16: fp16 warp MMAs, exact; 64: fp8
         warpgroup MMAs), each piece decoding the block's weights again.
+    fp4w_expand: MXFP4 weights: expand them to fp8 128x128 blocks once per call (one launch
+        per GEMM, ``launch.fp4w_as_fp8``) and run the fp8 GEMMs on them, instead of decoding
+        them in every m-block (fp4w_rows is then unused).
     host_descriptors: with one local rank, the host builds the GEMMs' tensor descriptors
         (None: only while a CUDA graph is captured, whose replays pay nothing for them).
     gemm_claim: the staged GEMM programs claim their tickets past their first two from a
@@ -266,6 +269,7 @@ class Tuning:
     wait: bool = True
     decode_rows: int = 0
     fp4w_rows: int = 64
+    fp4w_expand: bool = False
     host_descriptors: bool | None = None
     gemm_claim: bool = False
 
@@ -282,6 +286,7 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be None, True or False, got {v!r}")
         _bool("Tuning", "wait", self.wait)
         _bool("Tuning", "gemm_claim", self.gemm_claim)
+        _bool("Tuning", "fp4w_expand", self.fp4w_expand)
         _one_of("Tuning", "decode_rows", self.decode_rows, (0, 16, 32))
         _one_of("Tuning", "fp4w_rows", self.fp4w_rows, (16, 32, 64, 128, 256))
 
@@ -373,8 +378,13 @@ class Tuning:
                      k=("intermediate", cfg.intermediate))
 
     def fp4w_pieces(self, cfg: MoEConfig) -> int:
-        """Rows per piece of an fp4w block (at most block_m; 0 in other formats)."""
-        return min(self.fp4w_rows, cfg.block_m) if cfg.dtype == "fp4w" else 0
+        """Rows per piece of an fp4w block decoded in the GEMMs (at most block_m; 0 in other
+        formats and with fp4w_expand)."""
+        return min(self.fp4w_rows, cfg.block_m) if self.decodes_fp4w(cfg) else 0
+
+    def decodes_fp4w(self, cfg: MoEConfig) -> bool:
+        """Whether the GEMMs read MXFP4 weights themselves (fp4w without fp4w_expand)."""
+        return cfg.dtype == "fp4w" and not self.fp4w_expand
 
     def decode_pieces(self, cfg: MoEConfig) -> int:
         """decode_rows checked against the config (0: off)."""
@@ -387,7 +397,7 @@ class Tuning:
         """L1.tail_rows / L2.tail_rows (``gemm`` "l1" / "l2") checked against the config: the
         rows of a tail piece, 0 where tail pieces do not apply (off, decode_rows, fp4w)."""
         dm = self.l1.tail_rows if gemm == "l1" else self.l2.tail_rows
-        if not dm or self.decode_rows or cfg.dtype == "fp4w":
+        if not dm or self.decode_rows or self.decodes_fp4w(cfg):
             return 0
         piece = cfg.block_m // (self.l2.split_m if gemm == "l2" else 1)
         if piece % dm:

@@ -378,8 +378,8 @@ def test_megamoe_module_single_rank(gen, dtype):
 # ---- fp4w: fp8 tokens, MXFP4 weights (kernels/gemm_fp4.py inside the staged L1 / L2) ----------
 
 def check_tuned_fp4w_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=None,
-                           label="") -> None:
-    """One fp4w staged call with ``tuning`` on len(Ts) virtual ranks against
+                           label="", impl="staged") -> None:
+    """One fp4w call with ``tuning`` (None: the policy's) on len(Ts) virtual ranks against
     moe_forward(..., quant="fp4w"), buffer and output poisoned first."""
     cfg = cfg.with_(dtype="fp4w")
     R = len(Ts)
@@ -387,7 +387,7 @@ def check_tuned_fp4w_layer(cfg, Ts, tuning, gen, device, *, drop=0.1, routing=No
     poison(buf)
     xs, idxs, ws, w13q, w2q = make_case(cfg, Ts, gen, device, drop=drop, routing=routing)
     out = torch.full((R, max(Ts), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, out=out, tuning=tuning)
+    ys = mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, out=out, tuning=tuning, impl=impl)
     check_fp8_layer(ys, xs, idxs, ws, w13q, w2q, hidden=cfg.hidden, label=label or str(tuning),
                     quant="fp4w")
 
@@ -399,6 +399,16 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     # the default tuning: pieces of min(64, block_m) = 16 rows, one per m-block
     check_tuned_fp4w_layer(fp8_config(num_experts=R * e_per_rank), Ts, Tuning(), gen,
                            device, drop=drop, routing=routing, label=label)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R, Ts, e_per_rank, drop, routing, label", EDGE_CASES)
+def test_fp4w_fused_launch_matches_the_quantized_reference(device, gen, R, Ts, e_per_rank,
+                                                           drop, routing, label):
+    # the fused launch with the policy's tuning: the weights expanded to fp8 blocks, the fp8
+    # GEMMs inside the one launch
+    check_tuned_fp4w_layer(fp8_config(num_experts=R * e_per_rank), Ts, None, gen, device,
+                           drop=drop, routing=routing, label=label, impl="fused")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -414,8 +424,12 @@ def test_fp4w_layer_matches_the_quantized_reference(device, gen, R, Ts, e_per_ra
     Tuning(l1=L1(group_m=3), fp4w_rows=32),
     # claimed GEMM tickets (tuning.select's default for fp4w), 2 programs
     Tuning(fp4w_rows=16, gemm_claim=True, programs=2),
+    # the weights expanded to fp8 blocks for the call, whole tiles of the fp8 GEMMs
+    Tuning(fp4w_expand=True),
+    # expanded, the fp8 decode pieces with the L1 split in four K parts, no waits
+    Tuning(fp4w_expand=True, decode_rows=16, l1=L1(split_k=4), wait=False, programs=3),
 ], ids=["rows16", "rows64-l1n256-signal-rows", "rows32-nowait", "rows32-l1-group3",
-        "rows16-claimed"])
+        "rows16-claimed", "expand", "expand-decode16-split4"])
 def test_fp4w_layer_in_row_pieces(device, gen, tuning):
     # block_m 64, two experts per rank, top-2: ~50 rows per expert
     check_tuned_fp4w_layer(fp8_config(num_experts=4, block_m=64, max_tokens_per_rank=56,
@@ -438,8 +452,10 @@ def test_fp4w_input_errors(gen):
     odd = [(torch.zeros(p.numel() + 1, dtype=torch.uint8)[1:].view(p.shape), s) for p, s in w2q]
     with pytest.raises(ValueError, match="16-byte aligned"):
         mega_moe_virtual(xs, idxs, ws, w13q, odd, buf)
-    with pytest.raises(ValueError, match="staged path only"):
-        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused")
+    epochs = [int(buf.view("epoch", r)[0]) for r in range(2)]
+    with pytest.raises(ValueError, match="fp4w_expand=True"):   # the fused launch decodes none
+        mega_moe_virtual(xs, idxs, ws, w13q, w2q, buf, impl="fused", tuning=Tuning())
+    assert [int(buf.view("epoch", r)[0]) for r in range(2)] == epochs   # nothing launched
     with pytest.raises(ValueError, match="fp4w_rows"):
         Tuning(fp4w_rows=48)
     # a tuning the config rejects is a ValueError before the first launch, so the buffer

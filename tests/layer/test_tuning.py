@@ -17,7 +17,7 @@ import pytest
 
 from conftest import H200, hopper
 from moestream import MoEConfig
-from moestream.tuning import (FP8_L2_TILE_MIN_I, L1, L2, ONE_DOT_L1_STAGES,
+from moestream.tuning import (FP4W_EXPAND_MIN_ROWS, FP8_L2_TILE_MIN_I, L1, L2, ONE_DOT_L1_STAGES,
                               ONE_DOT_SHALLOW_MIN_HIDDEN, ONE_WAVE, Copy, Device, Fused, Tuning,
                               combine_parts_for, decode_rows_for, fp8_l1_split_for,
                               fused_l2_group_for, l1_group_m_for, one_dot_for, select,
@@ -83,14 +83,37 @@ def test_every_pick_is_valid_for_its_call():
 
 
 def test_without_a_gpu_the_interpreter_keeps_the_plain_settings():
+    # the plain settings, but fp4w weights are expanded wherever the GPU's policy would
     cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=8)
     for impl in ("staged", "fused"):
         assert select(cfg, 8, ranks=2, device=Device(), impl=impl) == Tuning()
+    fp4w = cfg.with_(dtype="fp4w")
+    assert select(fp4w, 8, ranks=2, device=Device()) == Tuning()
+    assert select(fp4w, 8, ranks=2, device=Device(), impl="fused") == Tuning(fp4w_expand=True)
     with pytest.raises(ValueError, match="impl must be 'staged' or 'fused'"):
         select(cfg, 8, ranks=2, device=H200, impl="chunked")
 
 
 # ---- each named rule --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["staged", "fused"])
+def test_fp4w_expands_from_a_few_blocks_per_expert_and_then_runs_as_fp8(impl):
+    # staged: expanded from FP4W_EXPAND_MIN_ROWS rows per expert on average, decoded in the
+    # GEMMs below; fused: always (it has no MXFP4 decode). Expanded, the call takes the fp8
+    # call's tuning
+    cfg = MoEConfig.from_shape("dsv3", num_experts=32, max_tokens_per_rank=8192,
+                               dtype="fp4w")
+    for tokens in (1, 8, 64, 512, 2048, 8192):
+        t = select(cfg, tokens, ranks=1, device=H200, impl=impl)
+        rows = tokens * cfg.top_k / cfg.num_experts
+        assert t.fp4w_expand == (impl == "fused" or rows >= FP4W_EXPAND_MIN_ROWS), tokens
+        if t.fp4w_expand:
+            fp8 = select(cfg.with_(dtype="fp8"), tokens, ranks=1, device=H200, impl=impl)
+            assert t == fp8.with_(fp4w_expand=True)
+            assert not t.decodes_fp4w(cfg) and t.fp4w_pieces(cfg) == 0
+        else:
+            assert t.decodes_fp4w(cfg) and t.fp4w_pieces(cfg) > 0
+
 
 def test_gpu_defaults_follow_the_dims():
     # bf16 L2 128x256 where 256 divides hidden, else 128x128 two per SM; fp8 L2 as 128-row

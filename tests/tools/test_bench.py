@@ -285,8 +285,8 @@ def test_composed_options_name_the_providers_the_layer_runs():
     names, skipped = compose_providers(dtype=["bf16", "fp8", "fp4w"],
                                        granularity=["token", 128, "expert"])
     assert names == ["staged-graph", "fused-graph", "chunk128", "chunkexpert",
-                     "fp8-staged-graph", "fp8-fused-graph", "fp4w-staged-graph", "torch"]
-    assert any(s.startswith("fp4w fused") for s in skipped)       # fp4w runs staged only
+                     "fp8-staged-graph", "fp8-fused-graph", "fp4w-staged-graph",
+                     "fp4w-fused-graph", "torch"]
     assert any(s.startswith("fp8 fused granularity=128") for s in skipped)
     check_providers(names)
     names, skipped = compose_providers(impl=["staged"], dtype=["bf16", "fp8"], per_stage=True,
@@ -298,7 +298,7 @@ def test_composed_options_name_the_providers_the_layer_runs():
     names, skipped = compose_providers(graph=False, granularity=["token", 256], baselines=[])
     assert names == ["staged", "fused"] and skipped == ["bf16 fused granularity=256 without graphs"]
     with pytest.raises(ValueError, match="no provider runs this selection"):
-        compose_providers(impl=["fused"], dtype=["fp4w"], baselines=[])
+        compose_providers(impl=["fused"], dtype=["fp4w"], per_stage=True, baselines=[])
 
 
 def test_stage_providers_and_plot(tmp_path):
