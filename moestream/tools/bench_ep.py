@@ -13,9 +13,9 @@ Providers, measured in the same run on the same inputs:
     torch         all_to_all_single + torch._grouped_mm + all_to_all_single (baselines)
     torch-symm    the same layer with torch's NVSHMEM all_to_all_vdev_2d dispatch and
                   all_to_all_vdev_2d_offset combine (moestream/tools/baselines/torch_symm.py;
-                  no host sync). NVSHMEM must own the process's symmetric memory, so it runs in its own
-                  processes after the others, on the same inputs (same seeds), checked against
-                  the torch provider's output.
+                  no host sync). NVSHMEM must own the process's symmetric memory, so it runs in
+                  its own processes after the others, on the same inputs (same seeds), checked
+                  against the torch provider's output.
     fp8-staged    ours in fp8 (MoEConfig dtype "fp8", weights quantized from the same bf16
                   experts, DeepSeek-V3 block format); fp8-staged-graph: replayed from graphs.
                   Rows carry dtype "fp8" (floors of the fp8 format) and their agreement with
@@ -70,7 +70,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["bench_ep_worker", "run_ep_bench", "stage_times", "graph_stage_times", "plot_stages",
-           "parse_tuning", "compose_providers", "PROVIDERS", "BASELINES"]
+           "parse_tuning", "compose_providers", "check_providers", "provider_dtype",
+           "provider_granularity", "is_tuned", "is_replayed", "is_stagewise", "staged_call",
+           "input_sets", "randn_bf16", "gathered_routing_floor", "PROVIDERS", "BASELINES"]
 
 PROVIDERS = ("staged", "staged-graph", "fused", "fused-graph", "torch", "fp8-staged",
              "fp8-staged-graph", "fp8-fused-graph", "torch-symm", "staged-stages",
@@ -87,14 +89,15 @@ FP8_AGREE = 0.12
 FP4W_AGREE = 0.35
 
 
-def _dtype(provider: str) -> str:
+def provider_dtype(provider: str) -> str:
+    """The MoEConfig dtype a provider runs and its rows carry: "fp8", "fp4w" or "bf16"."""
     for fmt in ("fp8", "fp4w"):
         if provider.startswith(fmt + "-"):
             return fmt
     return "bf16"
 
 
-def _granularity(provider: str) -> int | str | None:
+def provider_granularity(provider: str) -> int | str | None:
     """The chunked-mode granularity a ``chunk<C>`` provider names (None: not a chunk one)."""
     if not provider.startswith("chunk"):
         return None
@@ -107,7 +110,7 @@ def _granularity(provider: str) -> int | str | None:
                      f"or chunkexpert, got {provider!r}")
 
 
-def _tuned(provider: str) -> bool:
+def is_tuned(provider: str) -> bool:
     """Providers that run with ``tuning`` overrides."""
     return provider.endswith(("-tuned-graph", "-tuned-graph-stages"))
 
@@ -115,11 +118,11 @@ def _tuned(provider: str) -> bool:
 def check_providers(providers: Sequence[str], tuning: dict | None = None) -> None:
     """ValueError naming any provider this benchmark does not know, or a tuned provider
     without overrides (``tuning``)."""
-    unknown = [p for p in providers if p not in PROVIDERS and _granularity(p) is None]
+    unknown = [p for p in providers if p not in PROVIDERS and provider_granularity(p) is None]
     if unknown:
         raise ValueError(f"unknown providers {unknown}; known: {PROVIDERS} and chunk<C>, "
                          "chunkexpert")
-    tuned = [p for p in providers if _tuned(p)]
+    tuned = [p for p in providers if is_tuned(p)]
     if tuned and not tuning:
         raise ValueError(f"{tuned} need Tuning overrides (tuning=, CLI --tuning "
                          "name=value,...); without them they equal staged-graph")
@@ -197,7 +200,10 @@ def parse_tuning(text: str) -> dict:
     return out
 
 
-def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, sets: int):
+def input_sets(cfg, T: int, gen: torch.Generator, device, *, skew: float | None,
+               sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``sets`` input sets drawn in order on ``gen``: (x [T, hidden] bf16, topk_idx [T, top_k]
+    int32, topk_weights [T, top_k] fp32), routing skewed by ``skew`` (``make_routing``)."""
     from ..testing import make_routing, make_tokens
     out = []
     for _ in range(sets):
@@ -208,12 +214,12 @@ def _inputs(cfg, T: int, gen: torch.Generator, device, *, skew: float | None, se
     return out
 
 
-def _replayed(provider: str) -> bool:
+def is_replayed(provider: str) -> bool:
     """Providers timed as CUDA-graph replays."""
-    return provider.endswith("-graph") or _granularity(provider) is not None
+    return provider.endswith("-graph") or provider_granularity(provider) is not None
 
 
-def _stagewise(provider: str) -> bool:
+def is_stagewise(provider: str) -> bool:
     """Providers timed stage by stage (``stage_times``)."""
     return provider.endswith("-stages")
 
@@ -313,11 +319,12 @@ def graph_stage_times(call: Callable[[Callable[[str], None]], Any], *, reps: int
     return _stage_summary(per_stage, totals, reps, "cuda_graph_events")
 
 
-def _staged_call(buf, a, weights, mark, overrides: dict | None = None) -> torch.Tensor:
-    """One staged layer call on this rank's real buffer, inputs ``a`` = (x, topk_idx,
-    topk_weights) as ``_inputs`` makes them (valid and contiguous), with ``mark`` as
-    ``run_staged``'s on_stage; ``overrides``: ``Tuning`` fields on top of the call's
-    defaults."""
+def staged_call(buf, a, weights, mark, overrides: dict | None = None) -> torch.Tensor:
+    """One staged layer call on this rank's buffer; returns y [T, hidden] bf16. ``a`` = (x,
+    topk_idx, topk_weights) as ``input_sets`` makes them (valid and contiguous), ``weights`` =
+    (w13, w2) in the buffer's format (bf16: [E_local, 2I, H], [E_local, H, I]; else as
+    ``quantize_weights`` makes them), ``mark`` ``run_staged``'s on_stage (or None);
+    ``overrides``: ``Tuning`` fields on top of the call's defaults."""
     from ..launch import tuning_for
     from ..staged import run_staged
     x = a[0]
@@ -407,17 +414,17 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
             cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), **(config or {}))
             data = list(_weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew))
             w13, w2 = data[0][:2]
-            ours = [p for p in providers if p != "torch" and _dtype(p) == "bf16"]
+            ours = [p for p in providers if p != "torch" and provider_dtype(p) == "bf16"]
             buf = SymmBuffer(cfg, group=dist.group.WORLD) if ours else None
             qbuf = {}   # fp8 / fp4w asked for: (buffer, (w13 pair, w2 pair))
             for fmt in ("fp8", "fp4w"):
-                if any(_dtype(p) == fmt for p in providers):
+                if any(provider_dtype(p) == fmt for p in providers):
                     (w13q,), (w2q,) = quantize_weights([w13], [w2], fmt=fmt)
                     qbuf[fmt] = (SymmBuffer(cfg.with_(dtype=fmt), group=dist.group.WORLD),
                                  (w13q, w2q))
             none = (None, (None, None))
             for _, _, T, sets in data:
-                skew_floor = _routing_floor(cfg, sets, world) if skew else None
+                skew_floor = gathered_routing_floor(cfg, sets, world) if skew else None
 
                 def ours(impl, granularity="token"):
                     return lambda a: mega_moe(a[0], a[1], a[2], w13, w2, buf, impl=impl,
@@ -450,12 +457,13 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                                                       num_experts=cfg.num_experts),
                 }
                 for p in providers:
-                    if _granularity(p) is not None:
-                        calls[p] = ours("fused", _granularity(p))
-                    if _stagewise(p):   # staged.run_staged with an on_stage hook
-                        b, ws = qbuf[_dtype(p)] if _dtype(p) != "bf16" else (buf, (w13, w2))
-                        over = tuning if _tuned(p) else None
-                        calls[p] = (lambda a, mark=None, b=b, ws=ws, over=over: _staged_call(
+                    if provider_granularity(p) is not None:
+                        calls[p] = ours("fused", provider_granularity(p))
+                    if is_stagewise(p):   # staged.run_staged with an on_stage hook
+                        fmt = provider_dtype(p)
+                        b, ws = qbuf[fmt] if fmt != "bf16" else (buf, (w13, w2))
+                        over = tuning if is_tuned(p) else None
+                        calls[p] = (lambda a, mark=None, b=b, ws=ws, over=over: staged_call(
                             b, a, ws, mark, over))
                 # agreement check on the first input set before timing anything; the first
                 # call of a provider also compiles its kernels (reported, so a slow compile is
@@ -463,7 +471,7 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                 outs, first_s, fns, graphs = {}, {}, {}, {}
                 for p in providers:
                     t0 = time.perf_counter()
-                    if _replayed(p):   # one CUDA graph per input set, replayed by index
+                    if is_replayed(p):   # one CUDA graph per input set, replayed by index
                         graphs[p] = _capture(sets, calls[p])
                         graphs[p][0][1].fill_(float("nan"))   # unwritten rows fail the check
                         graphs[p][0][0].replay()
@@ -487,8 +495,8 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                         b.check()
                 for p in providers:
                     dist.barrier()
-                    rotate = list(range(len(sets))) if _replayed(p) else sets
-                    if _stagewise(p):
+                    rotate = list(range(len(sets))) if is_replayed(p) else sets
+                    if is_stagewise(p):
                         timer = graph_stage_times if p.endswith("-graph-stages") else stage_times
                         stats = slowest(timer(lambda mark, p=p: calls[p](sets[0], mark),
                                               reps=reps, warmup=warmup))
@@ -498,9 +506,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                     if rank == 0:
                         err = agree.get(p)
                         bound = {"fp8": FP8_AGREE, "fp4w": FP4W_AGREE}.get(
-                            _dtype(p), 2 * TOLERANCE["bf16"])
+                            provider_dtype(p), 2 * TOLERANCE["bf16"])
                         rows.append(result_row(
-                            shape=shape, ranks=world, tokens_per_rank=T, dtype=_dtype(p),
+                            shape=shape, ranks=world, tokens_per_rank=T, dtype=provider_dtype(p),
                             provider=p, median_us=stats["median_us"], p20_us=stats["p20_us"],
                             p80_us=stats["p80_us"], slowest_rank=stats.get("slowest_rank", 0),
                             routing="skewed" if skew else "uniform", block_m=cfg.block_m,
@@ -509,8 +517,9 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
                             rel_diff_vs_torch=err,
                             agrees=None if err is None else bool(err < bound),
                             **({} if skew_floor is None else
-                               {"floor_us": skew_floor(_dtype(p)), "floor_from": "routing"}),
-                            **({"tuning": dict(tuning)} if _tuned(p) else {}),
+                               {"floor_us": skew_floor(provider_dtype(p)),
+                                "floor_from": "routing"}),
+                            **({"tuning": dict(tuning)} if is_tuned(p) else {}),
                             **({"stages_us": stats["stages_us"]} if "stages_us" in stats
                                else {})))
                         if os.environ.get("MOESTREAM_EP_PARTIAL"):
@@ -538,16 +547,16 @@ def bench_ep_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequen
     return rows
 
 
-def _randn_bf16(shape: tuple[int, ...], scale: float, gen: torch.Generator, dev) -> torch.Tensor:
-    """Normal bf16 values times ``scale``, drawn one expert at a time on ``gen``'s device (the
-    fp32 draw of a whole dsv3 rank would take 22 GB)."""
+def randn_bf16(shape: tuple[int, ...], scale: float, gen: torch.Generator, dev) -> torch.Tensor:
+    """[E, ...] bf16 normal values times ``scale``, drawn one expert (leading index) at a time
+    on ``gen``'s device (the fp32 draw of a whole dsv3 rank would take 22 GB)."""
     out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
     for e in range(shape[0]):
         out[e] = torch.randn(shape[1:], generator=gen, device=dev) * scale
     return out
 
 
-def _routing_floor(cfg, sets, world: int) -> Callable[[str], float]:
+def gathered_routing_floor(cfg, sets, world: int) -> Callable[[str], float]:
     """For skewed routing, where the uniform floor does not hold: every rank's routing of
     each input set gathered to all ranks (a collective), and a function of the dtype giving
     the mean over the sets of ``bench.routing_floors`` (the slowest rank's floor)."""
@@ -573,10 +582,10 @@ def _weights_and_inputs(cfg, world: int, rank: int, seed: int, tokens: Sequence[
     # weights drawn where they live: the CPU's generator takes about a minute for dsv3's 5.6 G
     # values per rank, device time that every run paid before its first row
     gw = torch.Generator(device=dev).manual_seed(seed + 17 * rank)
-    w13 = _randn_bf16((e_loc, 2 * I, H), H ** -0.5, gw, dev)
-    w2 = _randn_bf16((e_loc, H, I), I ** -0.5, gw, dev)
+    w13 = randn_bf16((e_loc, 2 * I, H), H ** -0.5, gw, dev)
+    w2 = randn_bf16((e_loc, H, I), I ** -0.5, gw, dev)
     for T in tokens:
-        yield w13, w2, T, _inputs(cfg, T, g, dev, skew=skew, sets=4)
+        yield w13, w2, T, input_sets(cfg, T, g, dev, skew=skew, sets=4)
 
 
 def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequence[int],
@@ -599,7 +608,7 @@ def bench_symm_worker(rank: int, world: int, shapes: Sequence[str], tokens: Sequ
         cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=max(tokens), **(config or {}))
         E = cfg.num_experts
         for w13, w2, T, sets in _weights_and_inputs(cfg, world, rank, seed, tokens, dev, skew):
-            skew_floor = _routing_floor(cfg, sets, world) if skew else None
+            skew_floor = gathered_routing_floor(cfg, sets, world) if skew else None
             try:
                 ctx = SymmA2AContext(T, cfg.hidden, cfg.top_k, E, device=dev)
             except SymmUnavailableError as exc:

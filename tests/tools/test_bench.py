@@ -266,10 +266,11 @@ def test_slowest_without_group_is_identity() -> None:
 
 def test_ep_bench_provider_names():
     # chunk<C> providers name the fused launch's chunked mode; typos are a ValueError
-    from moestream.tools.bench_ep import _granularity, _replayed, check_providers
-    assert _granularity("chunk256") == 256 and _granularity("chunkexpert") == "expert"
-    assert _granularity("fused") is None
-    assert _replayed("chunk128") and _replayed("fused-graph") and not _replayed("fused")
+    from moestream.tools.bench_ep import check_providers, is_replayed, provider_granularity
+    assert provider_granularity("chunk256") == 256
+    assert provider_granularity("chunkexpert") == "expert"
+    assert provider_granularity("fused") is None
+    assert is_replayed("chunk128") and is_replayed("fused-graph") and not is_replayed("fused")
     check_providers(["staged", "fused-graph", "chunk128", "chunkexpert", "torch"])
     for bad in (["fuse"], ["chunk"], ["chunk-3"], ["chunkx"]):
         with pytest.raises(ValueError, match="provider"):
@@ -304,15 +305,16 @@ def test_composed_options_name_the_providers_the_layer_runs():
 def test_stage_providers_and_plot(tmp_path):
     # *-stages providers are timed stage by stage, never replayed; plot_stages draws one
     # stacked bar per row, stages in run_staged's order, and refuses rows without stages
-    from moestream.tools.bench_ep import (_dtype, _replayed, _stagewise, check_providers,
-                                          plot_stages)
+    from moestream.tools.bench_ep import (check_providers, is_replayed, is_stagewise, plot_stages,
+                                          provider_dtype)
     from moestream.staged import STAGES
     check_providers(["staged-stages", "fp8-staged-stages", "staged-graph-stages",
                      "fp8-staged-graph-stages", "fp4w-staged-stages", "fp4w-staged-graph"])
-    assert _dtype("fp4w-staged-graph-stages") == "fp4w" and _dtype("staged") == "bf16"
-    assert _stagewise("staged-stages") and not _replayed("staged-stages")
-    assert _stagewise("fp8-staged-graph-stages") and not _replayed("staged-graph-stages")
-    assert _dtype("fp8-staged-stages") == "fp8" and not _stagewise("staged-graph")
+    assert provider_dtype("fp4w-staged-graph-stages") == "fp4w"
+    assert provider_dtype("staged") == "bf16"
+    assert is_stagewise("staged-stages") and not is_replayed("staged-stages")
+    assert is_stagewise("fp8-staged-graph-stages") and not is_replayed("staged-graph-stages")
+    assert provider_dtype("fp8-staged-stages") == "fp8" and not is_stagewise("staged-graph")
     rows = [_row(shape=s, provider="staged-stages", tokens_per_rank=T, median_us=700.0,
                  stages_us={n: 10.0 * (i + 1) for i, n in enumerate(STAGES)})
             for s in ("qwen3", "dsv3") for T in (1, 8192)]
@@ -327,23 +329,23 @@ def test_stage_providers_and_plot(tmp_path):
 def test_tuned_providers_and_their_overrides():
     # the *-tuned-graph providers run staged calls with Tuning fields overridden;
     # parse_tuning reads the CLI's --tuning text and rejects what Tuning would reject
-    from moestream.tools.bench_ep import (_dtype, _replayed, _stagewise, _tuned, check_providers,
-                                    parse_tuning)
+    from moestream.tools.bench_ep import (check_providers, is_replayed, is_stagewise, is_tuned,
+                                          parse_tuning, provider_dtype)
     assert parse_tuning("gemm_claim=true, l1.block_n=128,use_tma=None") == {
         "gemm_claim": True, "l1.block_n": 128, "use_tma": None}
     assert parse_tuning("") == {}
     check_providers(["staged-tuned-graph", "fp8-staged-tuned-graph"], {"gemm_claim": True})
-    assert _replayed("staged-tuned-graph") and _dtype("fp8-staged-tuned-graph") == "fp8"
+    assert is_replayed("staged-tuned-graph") and provider_dtype("fp8-staged-tuned-graph") == "fp8"
     # their stage splits: timed stage by stage inside a graph, with the overrides
     check_providers(["staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"],
                     {"l1.tail_rows": 32})
     for p in ("staged-tuned-graph-stages", "fp8-staged-tuned-graph-stages"):
-        assert _tuned(p) and _stagewise(p) and not _replayed(p)
-    assert not _tuned("staged-graph-stages")
+        assert is_tuned(p) and is_stagewise(p) and not is_replayed(p)
+    assert not is_tuned("staged-graph-stages")
     # the fused launch's: replayed from graphs, with the overrides on its own defaults
     check_providers(["fused-tuned-graph", "fp8-fused-tuned-graph"], {"fused.per_sm": 1})
-    assert _tuned("fused-tuned-graph") and _replayed("fp8-fused-tuned-graph")
-    assert _dtype("fp8-fused-tuned-graph") == "fp8"
+    assert is_tuned("fused-tuned-graph") and is_replayed("fp8-fused-tuned-graph")
+    assert provider_dtype("fp8-fused-tuned-graph") == "fp8"
     with pytest.raises(ValueError, match="need Tuning overrides"):
         check_providers(["fused-tuned-graph"])
     with pytest.raises(ValueError, match="need Tuning overrides"):
@@ -383,7 +385,7 @@ def test_stage_times_on_one_gpu(timer):
     # the layer's
     from moestream import SymmBuffer
     from moestream.tools import bench_ep
-    from moestream.tools.bench_ep import _staged_call
+    from moestream.tools.bench_ep import staged_call
     from moestream.staged import STAGES
     from moestream.reference import moe_forward
     from moestream.testing import TOLERANCE, make_routing, make_tokens, make_weights, rel_error
@@ -393,18 +395,18 @@ def test_stage_times_on_one_gpu(timer):
     x = make_tokens(50, cfg.hidden, generator=gen, device="cuda")
     idx, w = make_routing(50, cfg.num_experts, cfg.top_k, generator=gen, device="cuda")
     (w13,), (w2,) = make_weights(cfg, 1, generator=gen, device="cuda")
-    stats = getattr(bench_ep, timer)(lambda mark: _staged_call(buf, (x, idx, w), (w13, w2),
+    stats = getattr(bench_ep, timer)(lambda mark: staged_call(buf, (x, idx, w), (w13, w2),
                                                                mark), reps=5, warmup=1)
     assert set(stats["stages_us"]) == set(STAGES)
     assert all(v > 0 for v in stats["stages_us"].values())
     assert abs(sum(stats["stages_us"].values()) - stats["median_us"]) <= 0.2 * stats["median_us"]
-    y = _staged_call(buf, (x, idx, w), (w13, w2), None)
+    y = staged_call(buf, (x, idx, w), (w13, w2), None)
     buf.check()
     ref = moe_forward(x, idx, w, w13, w2)
     assert rel_error(y, ref) <= TOLERANCE["bf16"]
     # with overrides (the -tuned-graph-stages providers): ~12 rows per expert, so with
     # decode pieces off most blocks are tail pieces of 16 rows (a few hold more rows)
-    y = _staged_call(buf, (x, idx, w), (w13, w2), None,
+    y = staged_call(buf, (x, idx, w), (w13, w2), None,
                      {"l1.tail_rows": 16, "l2.tail_rows": 16, "decode_rows": 0})
     buf.check()
     assert rel_error(y, ref) <= TOLERANCE["bf16"]
@@ -684,8 +686,8 @@ def test_ab_prepare_and_run_say_what_is_wrong(tmp_path) -> None:
 def test_bench_weights_are_drawn_per_expert_reproducibly():
     # the EP bench draws its weights on the device, one expert at a time: same seed -> same
     # weights, every expert drawn (none left empty), and the std the scale asks for
-    from moestream.tools.bench_ep import _randn_bf16
-    draw = lambda seed: _randn_bf16((5, 64, 96), 0.5, torch.Generator().manual_seed(seed), "cpu")
+    from moestream.tools.bench_ep import randn_bf16
+    draw = lambda seed: randn_bf16((5, 64, 96), 0.5, torch.Generator().manual_seed(seed), "cpu")
     a, b, c = draw(3), draw(3), draw(4)
     assert a.dtype == torch.bfloat16 and a.shape == (5, 64, 96)
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -697,11 +699,11 @@ def test_bench_weights_are_drawn_per_expert_reproducibly():
 def _skew_floor_worker(rank: int, world: int, seed: int):
     # what bench_ep_worker does per token count under skew: its input sets, then the gathered
     # routing's floor (a collective over the ranks)
-    from moestream.tools.bench_ep import _inputs, _routing_floor
+    from moestream.tools.bench_ep import gathered_routing_floor, input_sets
     cfg = MoEConfig.from_shape("qwen3", max_tokens_per_rank=16)
     g = torch.Generator().manual_seed(seed + 17 * rank)
-    sets = _inputs(cfg, 16, g, "cpu", skew=0.3, sets=2)
-    floor = _routing_floor(cfg, sets, world)
+    sets = input_sets(cfg, 16, g, "cpu", skew=0.3, sets=2)
+    floor = gathered_routing_floor(cfg, sets, world)
     return [s[1] for s in sets], floor("bf16"), floor("fp8")
 
 

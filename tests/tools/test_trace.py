@@ -2,6 +2,8 @@
 content), the overlap figures on hand-made rows, and the timeline plot."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,26 @@ from conftest import KERNEL_DEVICES
 
 def _row(phase, rank, start, end, sm=0, m_block=-1):
     return [phase, rank, -1, m_block, -1, sm, start, end]
+
+
+def _trace_table(monkeypatch, capsys, rows, *argv: str) -> dict[str, list[str]]:
+    """`moestream trace` on hand-made ``rows`` (the GPU run replaced, one GPU per rank in
+    them): its printed table as figure name -> one cell per rank."""
+    import torch
+
+    import moestream.tools.trace as trace
+    from moestream.tools.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(rows[:, 1].max()) + 1)
+    monkeypatch.setattr(trace, "run_trace", lambda **kw: rows)
+    monkeypatch.setenv("COLUMNS", "400")   # one line per row: rich wraps narrow tables
+    assert main(["trace", *argv]) == 0
+    table = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line)]
+        if len(cells) > 2:     # a table row: its border, the figure, one cell per rank, border
+            table[cells[1]] = cells[2:-1]
+    return table
 
 
 def test_interval_algebra():
@@ -67,7 +89,7 @@ def test_l2_waiting_matches_m_blocks():
     assert (s["phases"]["L1"]["task_us"], s["phases"]["L2"]["task_us"]) == (10, 4.5)
 
 
-def test_per_sm_time_and_gaps():
+def test_per_sm_time_and_gaps(monkeypatch, capsys, tmp_path):
     # SM 0: dispatch 0-10, L1 12-20 (2 us gap), L2 25-30 (5 us gap); SM 3: L1 0-8 and
     # 4-12 overlapping (a second program on the SM: no gap, 12 us covered), combine 20-21
     # (8 us gap). Per SM: dispatch 10/2, L1 (8 + 8 + 8)/2, L2 5/2, combine 1/2, idle (7 + 8)/2
@@ -82,8 +104,9 @@ def test_per_sm_time_and_gaps():
     assert s["per_sm_us"] == pytest.approx(dict(dispatch=5, L1=12, L2=2.5, combine=0.5,
                                                 idle=7.5))
     assert list(s["per_sm_us"]) == ["dispatch", "L1", "L2", "combine", "idle"]
-    from moestream.tools.cli import _per_sm_cell
-    assert _per_sm_cell(s["per_sm_us"]) == "5 / 12 / 2 / 0 / 8"
+    # `moestream trace` prints them in that order, in whole µs
+    table = _trace_table(monkeypatch, capsys, rows, "--out", str(tmp_path / "t.png"))
+    assert table["per SM µs: dispatch / L1 / L2 / combine / idle"] == ["5 / 12 / 2 / 0 / 8"]
 
 
 def test_trace_command_prints_and_saves(monkeypatch, tmp_path, capsys):
@@ -91,23 +114,17 @@ def test_trace_command_prints_and_saves(monkeypatch, tmp_path, capsys):
     # every column, the PNG and the JSON with rows and summary
     import json
 
-    import torch
-
-    import moestream.tools.trace as trace
-    from moestream.tools.cli import main
     us = 1000
     rows = np.array([_row(0, 0, 0, 10 * us), _row(1, 0, 12 * us, 20 * us, m_block=0),
                      _row(2, 0, 25 * us, 30 * us, m_block=0), _row(3, 0, 30 * us, 31 * us),
                      _row(0, 1, 0, 4 * us, sm=5), _row(3, 1, 4 * us, 9 * us, sm=5)],
                     dtype=np.int64)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(trace, "run_trace", lambda **kw: rows)
-    monkeypatch.setenv("COLUMNS", "400")   # one line per row: rich wraps narrow tables
     png, js = tmp_path / "t.png", tmp_path / "t.json"
-    assert main(["trace", "--out", str(png), "--json", str(js)]) == 0
-    out = capsys.readouterr().out
-    assert "per SM µs" in out and "10 / 8 / 5 / 1 / 7" in out   # rank 0: idle 2 + 5
+    table = _trace_table(monkeypatch, capsys, rows, "--out", str(png), "--json", str(js))
+    assert table[""] == ["rank 0", "rank 1"]
+    # rank 0: idle 2 + 5
+    assert table["per SM µs: dispatch / L1 / L2 / combine / idle"] == ["10 / 8 / 5 / 1 / 7",
+                                                                       "4 / 0 / 0 / 5 / 0"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads(js.read_text())
     assert saved["rows"] == rows.tolist() and saved["summary"][1]["per_sm_us"]["idle"] == 0
@@ -167,14 +184,13 @@ def test_trace_tuning_overrides_are_checked_first(monkeypatch, capsys):
     assert "unknown Tuning field 'fused.wave_blok'" in capsys.readouterr().out.replace("\n", "")
 
 
-def test_trace_table_cells():
+def test_trace_table_cells(monkeypatch, capsys, tmp_path):
     # `moestream trace` shows each phase's span, its tasks and their median duration; a phase
     # without tasks says so instead of printing a span
-    from moestream.tools.cli import _phase_cell
     us = 1000
     rows = np.array([_row(0, 0, 0, 10 * us), _row(0, 0, 2 * us, 5 * us),
                      _row(1, 0, 6 * us, 20 * us)], dtype=np.int64)
-    (s,) = summarize(rows)
-    assert _phase_cell(s["phases"]["dispatch"]) == "0-10 (2 x 6.5)"
-    assert _phase_cell(s["phases"]["L1"]) == "6-20 (1 x 14.0)"
-    assert _phase_cell(s["phases"]["combine"]) == "- (0)"
+    table = _trace_table(monkeypatch, capsys, rows, "--out", str(tmp_path / "t.png"))
+    assert table["dispatch µs (tasks x µs)"] == ["0-10 (2 x 6.5)"]
+    assert table["L1 µs (tasks x µs)"] == ["6-20 (1 x 14.0)"]
+    assert table["combine µs (tasks x µs)"] == ["- (0)"]
