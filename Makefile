@@ -16,7 +16,7 @@ GPU_PY ?= python3
 GEMM_VARIANTS ?= layer-call
 MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.tools.cli
 ONE_GPU_TOKENS ?= 1,8,64,512,2048,8192
-ONE_GPU_DTYPES ?= bf16,fp8
+ONE_GPU_DTYPES ?= bf16,fp8,fp4w
 
 .PHONY: install run test test-gpu bench bench-one-gpu bench-gemm performance check clean
 

@@ -47,8 +47,9 @@ def mxfp4_to_fp8_kernel(packed, codes, q, scale_inv, K, FIX_ROUNDING: tl.constex
     kb = tl.program_id(1)
     rows = nb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     G: tl.constexpr = BLOCK // GROUP
-    c = tl.load(codes + rows[:, None] * (K // GROUP) + kb * G + tl.arange(0, G)[None, :])
-    c = c.to(tl.int32)                                                    # [128, 4]
+    # a row's four codes of the block are one aligned uint32 (K is a multiple of 128)
+    words = tl.load(codes.to(tl.pointer_type(tl.uint32)) + rows * (K // BLOCK) + kb)
+    c = ((words[:, None] >> (8 * tl.arange(0, G))[None, :]) & 255).to(tl.int32)  # [128, 4]
     top = tl.max(tl.max(c, axis=1), axis=0)
     p = tl.load(packed + rows[:, None] * (K // 2) + kb * (BLOCK // 2)
                 + tl.arange(0, BLOCK // 2)[None, :]).to(tl.int32)         # [128, 64]

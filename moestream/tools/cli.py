@@ -132,7 +132,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                ("fused", "fused", "token", cfg),
                (f"fused, {chunk}-token chunks", "fused", chunk, cfg),
                ("staged fp8", "staged", "token", cfg.with_(dtype="fp8")),
-               ("staged fp4w", "staged", "token", cfg.with_(dtype="fp4w"))]
+               ("staged fp4w", "staged", "token", cfg.with_(dtype="fp4w")),
+               ("fused fp4w", "fused", "token", cfg.with_(dtype="fp4w"))]
     rows = []
     with progress(con, transient=True) as prog:
         task = prog.add_task("running", total=len(jobs) + len(virtual))
