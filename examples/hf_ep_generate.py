@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = None
     if args.model is None:
-        from moestream.integrations._tiny import VOCAB, tiny_model
+        from moestream.integrations.tiny import VOCAB, tiny_model
         model = tiny_model("qwen3_moe", args.seed, single_moe_layer=True, dtype=torch.float32)
         model.generation_config.eos_token_id = None
         ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(rank))

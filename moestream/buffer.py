@@ -106,7 +106,7 @@ class SymmBuffer:
             ptrs = [s.data_ptr() for s in self._storage]
         else:
             ptrs = self._init_group(config, group, device)
-        # kernels/_common.peer_ptr tells the compiler every region is 16-byte aligned
+        # kernels/common.peer_ptr tells the compiler every region is 16-byte aligned
         assert all(p % 16 == 0 for p in ptrs), [hex(p) for p in ptrs]
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         self.max_spins = int(timeout_spins) if timeout_spins else _default_spins(self.device)
@@ -214,7 +214,7 @@ class SymmBuffer:
     def host_base(self) -> int | None:
         """The local rank's buffer address where this process drives one rank (every real
         rank, one virtual rank), else None. Kernels of such launches take it as a parameter
-        instead of loading ``table[rank]`` first (``kernels/_common.rank_base``)."""
+        instead of loading ``table[rank]`` first (``kernels/common.rank_base``)."""
         return self.address(0) if len(self._storage) == 1 else None
 
     @property
@@ -265,7 +265,7 @@ class SymmBuffer:
                 for lr in range(self.local_ranks)]
 
     def _raise_for(self, words: list[list[int]]) -> None:
-        from .kernels._common import PHASE_CODES
+        from .kernels.common import PHASE_CODES
         for lr, w in enumerate(words):
             d = dict(zip(DIAG_FIELDS, w))
             rank = self.global_rank(lr)

@@ -10,7 +10,7 @@ import torch
 from .buffer import SymmBuffer
 from .config import cdiv
 from .kernels import fused as _fused
-from .kernels._common import INTERPRET, next_pow2
+from .kernels.common import INTERPRET, next_pow2
 from .launch import (a_rows, constants, ensure_allocator, gemm_weights, host_descriptors,
                      launch_kw, programs, split_scratch, tma, tuning_for, weight_tables)
 from .staged import layout, publish

@@ -12,7 +12,7 @@ import torch
 
 from .buffer import SymmBuffer
 from .kernels import expand as _expand
-from .kernels._common import INTERPRET, next_pow2, triton
+from .kernels.common import INTERPRET, next_pow2, triton
 from .regions import REGION_NAMES
 from .tuning import Device, Tuning, select
 from .tuning.settings import row_chunk, row_chunks
@@ -20,7 +20,7 @@ from .tuning.settings import row_chunk, row_chunks
 __all__ = ["Constants", "Offsets", "constants", "device_of", "tuning_for", "tma", "programs",
            "resident_per_sm", "launch_kw", "host_descriptors", "a_rows", "split_scratch",
            "weight_tables", "ensure_allocator", "stream_ordered", "wave_blocks",
-           "row_chunk", "row_chunks", "fp4w_as_fp8", "gemm_weights"]
+           "row_chunk", "row_chunks", "fp4w_as_fp8", "gemm_weights", "capturing"]
 
 # Every region's byte offset (and the reset span's), one kernel argument: offs.pool_x, ...
 Offsets = namedtuple("Offsets", REGION_NAMES + ("reset",))
@@ -196,7 +196,7 @@ def gemm_weights(buffer: SymmBuffer, ws: Sequence, tuning: Tuning, gemm: str) ->
     return out
 
 
-def _capturing(buffer: SymmBuffer) -> bool:
+def capturing(buffer: SymmBuffer) -> bool:
     """Whether the launches on ``buffer``'s device are being captured into a CUDA graph."""
     return buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -216,7 +216,7 @@ def host_descriptors(buffer: SymmBuffer, tuning: Tuning, use_tma: bool, *, regio
     L1's gate and up rows as one tile)."""
     on = tuning.host_descriptors
     if on is None:
-        on = _capturing(buffer)
+        on = capturing(buffer)
     if not (use_tma and on and buffer.local_ranks == 1):
         return (None, None, None), {}
     from triton.tools.tensor_descriptor import TensorDescriptor

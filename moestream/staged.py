@@ -22,7 +22,7 @@ from .kernels import l1 as _l1
 from .kernels import l2 as _l2
 from .kernels import pool as _pool
 from .kernels import publish as _publish
-from .kernels._common import INTERPRET, next_pow2
+from .kernels.common import INTERPRET, next_pow2
 from .launch import (a_rows, constants, ensure_allocator, gemm_weights, host_descriptors,
                      launch_kw, programs, row_chunk, row_chunks, split_scratch, stream_ordered,
                      tma, tuning_for, wave_blocks, weight_tables)

@@ -31,7 +31,7 @@ def _destroy(model) -> None:
 def _check_logits(family, rank, world, seed, dev, block_m, group) -> dict:
     """bf16 model, one MoE layer: logits before/after replacement on this rank's batch, and
     which experts this rank now holds."""
-    from moestream.integrations._tiny import VOCAB, moe_blocks, tiny_model
+    from moestream.integrations.tiny import VOCAB, moe_blocks, tiny_model
     from moestream.integrations.transformers import replace_moe_blocks
     from moestream.testing import rel_error
     model = tiny_model(family, seed, single_moe_layer=True).to(dev)
@@ -67,7 +67,7 @@ def _check_logits(family, rank, world, seed, dev, block_m, group) -> dict:
 def _check_blocks(family, rank, world, seed, dev, block_m, group) -> list[float]:
     """bf16 model, two MoE layers (two buffers per rank, called in order): each block on the
     inputs the original model gave it (a router flip after the first would not be a bug)."""
-    from moestream.integrations._tiny import VOCAB, moe_blocks, tiny_model
+    from moestream.integrations.tiny import VOCAB, moe_blocks, tiny_model
     from moestream.integrations.transformers import replace_moe_blocks
     from moestream.testing import rel_error
     model = tiny_model(family, seed + 1, single_moe_layer=False).to(dev)
@@ -93,7 +93,7 @@ def _check_blocks(family, rank, world, seed, dev, block_m, group) -> list[float]
 
 def _check_generate(family, rank, world, seed, dev, block_m, group, new_tokens) -> dict:
     """fp32 model with bf16-exact experts, one MoE layer: greedy generate before and after."""
-    from moestream.integrations._tiny import VOCAB, moe_blocks, tiny_model
+    from moestream.integrations.tiny import VOCAB, moe_blocks, tiny_model
     from moestream.integrations.transformers import replace_moe_blocks
     model = tiny_model(family, seed + 2, single_moe_layer=True, dtype=torch.float32)
     with torch.no_grad():

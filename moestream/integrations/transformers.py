@@ -35,7 +35,8 @@ from torch import nn
 from ..config import MoEConfig
 from ..layer import MegaMoE
 
-__all__ = ["replace_moe_blocks", "MegaMoEExperts", "SUPPORTED_BLOCKS", "DEFAULT_BUFFER_TOKENS"]
+__all__ = ["replace_moe_blocks", "MegaMoEExperts", "ExpertsLayout", "SUPPORTED_BLOCKS",
+           "DEFAULT_BUFFER_TOKENS"]
 
 # Tokens per rank per call that the buffers hold unless buffer_tokens says otherwise: a prefill
 # of a few thousand tokens fits; decode batches are far smaller.
@@ -67,7 +68,7 @@ def _check_silu(act: object, where: str) -> None:
 
 
 @dataclass(frozen=True)
-class _ExpertsLayout:
+class ExpertsLayout:
     """How one block stores its routed experts, and their sizes."""
 
     kind: str                 # "fused" (3D parameters) or "per_expert" (a ModuleList of MLPs)
@@ -98,7 +99,7 @@ class _ExpertsLayout:
         return gate_up, down
 
 
-def _fused_layout(experts: nn.Module, hidden: int, where: str) -> _ExpertsLayout:
+def _fused_layout(experts: nn.Module, hidden: int, where: str) -> ExpertsLayout:
     gate_up, down = experts.gate_up_proj, experts.down_proj
     for pname, p in (("gate_up_proj", gate_up), ("down_proj", down)):
         if not isinstance(p, torch.Tensor) or p.dim() != 3:
@@ -137,11 +138,11 @@ def _fused_layout(experts: nn.Module, hidden: int, where: str) -> _ExpertsLayout
             f"reads ([E, 2I, H] and [E, H, I], or transposed [E, H, 2I] and [E, I, H]"
             f"{'' if declared is None else f', is_transposed={declared}'})")
     transposed, inter = matches[0]
-    return _ExpertsLayout("fused", E, inter, transposed=transposed,
+    return ExpertsLayout("fused", E, inter, transposed=transposed,
                           interleaved=getattr(experts, "is_concatenated", True) is False)
 
 
-def _per_expert_layout(experts: nn.Module, hidden: int, where: str) -> _ExpertsLayout:
+def _per_expert_layout(experts: nn.Module, hidden: int, where: str) -> ExpertsLayout:
     if len(experts) == 0:
         raise ValueError(f"{where}: experts is an empty ModuleList")
     first = experts[0]
@@ -168,7 +169,7 @@ def _per_expert_layout(experts: nn.Module, hidden: int, where: str) -> _ExpertsL
         if shapes != want:
             raise ValueError(f"{where}: expert {e} weights {dict(zip(names, shapes))} must be "
                              f"{dict(zip(names, want))} (gate/up [I, H], down [H, I])")
-    return _ExpertsLayout("per_expert", len(experts), inter, names=names)
+    return ExpertsLayout("per_expert", len(experts), inter, names=names)
 
 
 # ---- the replacement modules ---------------------------------------------------------------
@@ -282,7 +283,7 @@ class _Plan:
     name: str
     block: nn.Module
     style: str        # "experts_call" (5.x), "moe_method" (DeepSeek-V3 4.x), "logits_gate" (4.x)
-    layout: _ExpertsLayout
+    layout: ExpertsLayout
     config: MoEConfig
     device: torch.device
     norm_topk_prob: bool = True

@@ -1,3 +1,3 @@
-"""Triton kernels only, one job per module; ``_common`` first: it switches Triton to its
+"""Triton kernels only, one job per module; ``common`` first: it switches Triton to its
 interpreter on a machine without CUDA before any kernel module imports Triton."""
-from . import _common  # noqa: F401
+from . import common  # noqa: F401

@@ -11,8 +11,8 @@ is walked in BH-wide chunks so a program never holds more than CT x BH values. P
 """
 from __future__ import annotations
 
-from ._common import (at, launch_context, rank_base, tl, to_bf16, triton,
-                      wait_all_at_least, wait_at_least)
+from .common import (at, launch_context, rank_base, tl, to_bf16, triton,
+                     wait_all_at_least, wait_at_least)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ where a row is e4m3 values followed by their fp32 scales).
 """
 from __future__ import annotations
 
-from ._common import at, launch_context, peer_ptr, rank_base, tl, triton
+from .common import at, launch_context, peer_ptr, rank_base, tl, triton
 
 
 @triton.jit

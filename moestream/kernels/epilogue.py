@@ -3,7 +3,7 @@ pool_act (whole tiles and split-K parts), the L2's rows stored into their combin
 the token's rank and the completion counts and flags that release them."""
 from __future__ import annotations
 
-from ._common import DECODE_STORE_EVICT, peer_ptr, peer_ptrs, tl, to_bf16, triton
+from .common import DECODE_STORE_EVICT, peer_ptr, peer_ptrs, tl, to_bf16, triton
 from .tickets import count_split_part, split_total
 
 

@@ -14,7 +14,7 @@ to nearest e4m3 (below 2**-9 * 2**(C - 133): under 2**-11 of the block's largest
 """
 from __future__ import annotations
 
-from ._common import tl, triton
+from .common import tl, triton
 from .gemm_fp8 import to_fp8
 
 BLOCK = tl.constexpr(128)   # rows and columns of a scale block

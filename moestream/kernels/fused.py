@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from triton.language.extra.cuda import smid
 
-from ._common import (launch_context, now_ns, peer_ptr, peer_ptrs, rank_base, stalled, tl,
-                      triton, wait_at_least)
+from .common import (launch_context, now_ns, peer_ptr, peer_ptrs, rank_base, stalled, tl,
+                     triton, wait_at_least)
 from .combine import combine_tokens
 from .dispatch import pull_tokens
 from .epilogue import signal_block_rows

@@ -54,7 +54,7 @@ row blocks).
 """
 from __future__ import annotations
 
-from ._common import INTERPRET, tl, triton
+from .common import INTERPRET, tl, triton
 from .gemm_fp8 import l1_fp8_epilogue, store_pool_rows
 
 ACT_GROUP = tl.constexpr(128)   # K elements per activation scale: the K step

@@ -29,14 +29,14 @@ never stored; a block with valid_m = 0 does nothing. Grid (column blocks, row bl
 
 Interpreter (CPU): its fp32 -> fp8 cast does not round to nearest even (and mishandles
 subnormals), so with FIX_ROUNDING the value is first rounded, in exact fp32/integer arithmetic,
-to the e4m3 value it must become; the cast then has nothing to round (as _common.to_bf16).
+to the e4m3 value it must become; the cast then has nothing to round (as common.to_bf16).
 """
 from __future__ import annotations
 
-from ._common import DECODE_STORE_EVICT, tl, to_bf16, triton, zero_acc
+from .common import DECODE_STORE_EVICT, tl, to_bf16, triton, zero_acc
 
 # quant_rows_128's constants: moestream.quant's FP8_E4M3_MAX and FP8_MIN_SCALE (moestream.tools.fp8
-# asserts they agree; kernels import nothing of ours but _common)
+# asserts they agree; kernels import nothing of ours but common)
 FP8_MAX = tl.constexpr(448.0)
 FP8_MIN_SCALE = tl.constexpr(1.1754943508222875e-38)   # 2**-126
 

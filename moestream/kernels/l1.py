@@ -26,7 +26,7 @@ computes, so no dependent global loads stand between two blocks' GEMMs.
 """
 from __future__ import annotations
 
-from ._common import at, peer_ptr, tl, triton, wait_at_least, zero_acc
+from .common import at, peer_ptr, tl, triton, wait_at_least, zero_acc
 from .epilogue import l1_part_totals, l1_store, row_weights, store_l1_part
 from .gemm_fp4 import l1_fp4w_rows
 from .gemm_fp8 import l1_fp8_acc, l1_fp8_block, l1_fp8_decode_block, l1_fp8_epilogue

@@ -14,7 +14,7 @@ m-blocks of their own. Persistent: grid (programs, local ranks).
 """
 from __future__ import annotations
 
-from ._common import at, peer_ptr, peer_ptrs, tl, triton, wait_at_least, zero_acc
+from .common import at, peer_ptr, peer_ptrs, tl, triton, wait_at_least, zero_acc
 from .epilogue import l2_epilogue, signal_block_rows, slot_codes
 from .gemm_fp4 import l2_fp4w_rows
 from .gemm_fp8 import fp8_descriptors, l2_fp8_acc, l2_fp8_rows

@@ -3,7 +3,7 @@
 weight tiles, for whole tiles and for decode pieces (the weights as the MMA's row side)."""
 from __future__ import annotations
 
-from ._common import aligned_ptr_from, at, launch_context, peer_ptr, rank_base, tl, triton
+from .common import aligned_ptr_from, at, launch_context, peer_ptr, rank_base, tl, triton
 
 
 @triton.jit

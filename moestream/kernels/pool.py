@@ -2,7 +2,7 @@
 receives from each source, its m-blocks (expert and valid rows each) and the expert waves."""
 from __future__ import annotations
 
-from ._common import at, rank_base, tl, triton, wait_at_least
+from .common import at, rank_base, tl, triton, wait_at_least
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 (slot, send_counts), zero the counters, and signal the peers (epoch, ready)."""
 from __future__ import annotations
 
-from ._common import at, rank_base, tl, triton
+from .common import at, rank_base, tl, triton
 from .gemm_fp8 import quant_rows_128
 
 

@@ -3,7 +3,7 @@ tickets claimed from a counter past each program's first two, and the split-K bo
 (how many parts, which part a program runs, the per-tile count the last part reads)."""
 from __future__ import annotations
 
-from ._common import at, tl, triton
+from .common import at, tl, triton
 
 
 @triton.jit

@@ -16,7 +16,7 @@ whose kernels have equal hashes compile to the same machine code (compile the ot
 in a ``git worktree`` and compare; a new kernel parameter alone does not change the hash),
 and ``hinted_stores``, its global stores with an L2 cache policy (decode pieces' outputs).
 
-Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/_common.py).
+Must run in a fresh process: it needs Triton in compiler mode (see moestream/kernels/common.py).
 """
 from __future__ import annotations
 
@@ -153,12 +153,12 @@ def _compile_only(capability: int, compiled: dict, label: list):
 
 
 # global loads/stores of one 1- or 2-byte value (not vectors): what row copies compile to
-# when the compiler cannot see that their addresses are aligned (kernels/_common.at)
+# when the compiler cannot see that their addresses are aligned (kernels/common.at)
 _NARROW_GLOBAL = re.compile(r"\b(?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.[bsu](?:8|16)\b")
 
 
 # global stores with an L2 cache policy (``tl.store(..., eviction_policy=...)``: PTX's
-# createpolicy operand): decode pieces' stores (kernels/_common.DECODE_STORE_EVICT)
+# createpolicy operand): decode pieces' stores (kernels/common.DECODE_STORE_EVICT)
 _HINTED_STORE = re.compile(r"\bst\.global\S*\.L2::cache_hint\b")
 
 

@@ -92,7 +92,7 @@ def layer_config(family: str, *, experts: int | None = None, tiny: bool = False)
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     if tiny:
-        from ..integrations._tiny import tiny_config
+        from ..integrations.tiny import tiny_config
         over = dict(num_hidden_layers=1)
         if family == "qwen3_moe":
             over["mlp_only_layers"] = []

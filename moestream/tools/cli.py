@@ -178,7 +178,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .. import __version__
-    from ..kernels._common import INTERPRET, triton
+    from ..kernels.common import INTERPRET, triton
 
     con = _console()
     t = Table(title="moestream check")

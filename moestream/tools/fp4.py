@@ -17,7 +17,7 @@ import torch
 from ..checks import MAX_E8M0 as CHECKED_E8M0, check_e8m0_codes
 from .fp8 import (_act_out, _check_meta, _dims, _launch_kw, _pool_blocks, _pow2, _tensor,
                   _y_out, pack_block_meta)
-from ..kernels._common import INTERPRET
+from ..kernels.common import INTERPRET
 from ..kernels.gemm_fp4 import ACT_GROUP, MAX_E8M0, MX_BLOCK, l1_fp4w_kernel, l2_fp4w_kernel
 from ..quant import FP8_BLOCK, MXFP4_BLOCK
 

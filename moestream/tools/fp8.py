@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels._common import INTERPRET
+from ..kernels.common import INTERPRET
 from ..kernels.gemm_fp8 import FP8_MAX, FP8_MIN_SCALE, l1_fp8_kernel, l2_fp8_kernel
 from ..quant import FP8_BLOCK, FP8_E4M3_MAX
 from ..quant import FP8_MIN_SCALE as QUANT_MIN_SCALE

@@ -54,7 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..kernels._common import triton
+from ..kernels.common import triton
 from . import probe_gpu as gpu
 from .probe_gpu import GROUPED_DIMS, TRITON_VARIANT, ProbeError, pull_rows, reread
 from .sim.calib import SCHEMA, Calibration

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ..kernels._common import next_pow2, now_ns, tl, triton
+from ..kernels.common import next_pow2, now_ns, tl, triton
 
 if TYPE_CHECKING:
     from .probe import ProbePlan

@@ -26,8 +26,7 @@ import torch
 
 from moestream.tools.aot import SM90_SHARED_LIMIT
 from moestream.tools.fp4 import l1_fp4w, l2_fp4w, pack_block_meta
-from moestream.kernels import gemm_fp4
-from moestream.kernels._common import tl, triton
+from moestream.kernels.common import tl, triton
 from moestream.kernels.gemm_fp4 import MAX_E8M0, e8m0_twice, place_e2m1_pairs
 from moestream.quant import (
     E2M1_VALUES,
@@ -103,13 +102,7 @@ def _l1_reference(xq, xs, w, pool_w, blocks, bm):
 def _decode_kernel(packed, out_lo, out_hi, e8m0, out_scale, ASM: tl.constexpr):
     o = tl.arange(0, 256)
     p = tl.load(packed + o)
-    if ASM:   # the PTX form (GPU only)
-        lo, hi = tl.inline_asm_elementwise(gemm_fp4._PLACE_ASM, "=r,=r,r", [p],
-                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-        lo = lo.to(tl.float8e4nv, bitcast=True)
-        hi = hi.to(tl.float8e4nv, bitcast=True)
-    else:
-        lo, hi = place_e2m1_pairs(p, False)
+    lo, hi = place_e2m1_pairs(p, ASM)   # ASM: the PTX form (GPU only)
     tl.store(out_lo + o, lo)
     tl.store(out_hi + o, hi)
     words = tl.load(e8m0 + tl.arange(0, 64))

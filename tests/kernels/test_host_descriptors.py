@@ -177,7 +177,7 @@ def test_host_descriptors_by_default_while_a_graph_is_captured(gen, host_kinds, 
     # "capturing" on the CPU, so the host form is taken without a GPU (the GPU test below
     # captures for real)
     from moestream import launch
-    monkeypatch.setattr(launch, "_capturing", lambda buffer: True)
+    monkeypatch.setattr(launch, "capturing", lambda buffer: True)
     check_tuned_layer(small_config(block_m=32, max_tokens_per_rank=40, num_experts=4), [37],
                       Tuning(l2=L2(block_n=64), use_tma=True, decode_rows=16), gen,
                       torch.device("cpu"))

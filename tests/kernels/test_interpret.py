@@ -1,4 +1,4 @@
-"""The interpreter helpers (moestream.kernels._interpret): one patch of triton.language per
+"""The interpreter helpers (moestream.kernels.interpret): one patch of triton.language per
 launch instead of one per nested @triton.jit call, the int32 overflow sanitizer off only
 where its result was thrown away, and kernels that still compute right. CPU only: on a GPU
 machine the kernels are compiled and the helpers are not installed."""
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from moestream.kernels._common import INTERPRET, tl, triton
+from moestream.kernels.common import INTERPRET, tl, triton
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the wrapper serves Triton's interpreter")
 
@@ -49,9 +49,6 @@ def _run(calls: int, gen: torch.Generator) -> tuple[int, torch.Tensor, torch.Ten
 
 
 def test_nested_calls_do_not_patch_the_language_again(gen):
-    from triton.runtime import interpreter
-
-    assert getattr(interpreter._patch_lang, "_moestream_wrapped", False)
     _run(1, gen)   # tl.sum's first nested patch of tl.core stays (Triton never restores it)
     patches_1, x1, y1 = _run(1, gen)
     patches_8, x8, y8 = _run(8, gen)
@@ -95,7 +92,7 @@ def test_the_overflow_sanitizer_is_off_only_where_its_result_was_discarded(gen):
         assert torch.equal(y, wrapped), sanitize
     # with debug on, the check runs and catches the same add; the wrapper leaves such
     # options alone
-    from moestream.kernels._interpret import skip_discarded_overflow_checks
+    from moestream.kernels.interpret import skip_discarded_overflow_checks
 
     builder.options = dataclasses.replace(saved, debug=True, sanitize_overflow=True)
     try:
@@ -111,7 +108,7 @@ def test_the_overflow_sanitizer_is_off_only_where_its_result_was_discarded(gen):
 def test_interpret_checks_env_turns_the_checks_on(checks):
     # MOESTREAM_INTERPRET_CHECKS is read when moestream is imported, hence a fresh process;
     # that the checks then raise on an overflowing add is the test above (debug on)
-    script = ("import moestream.kernels._common\n"
+    script = ("import moestream.kernels.common\n"
               "from triton.runtime import interpreter\n"
               "o = interpreter.interpreter_builder.options\n"
               "print(o.debug, o.sanitize_overflow)")

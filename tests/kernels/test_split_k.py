@@ -21,7 +21,7 @@ from moestream import MoEConfig
 from moestream.tuning import L1, L2, Tuning, for_fused, in_decode_pieces
 from conftest import hopper
 from moestream.buffer import SymmBuffer
-from moestream.kernels._common import tl, triton
+from moestream.kernels.common import tl, triton
 from moestream.kernels.tickets import split_count
 from moestream.layer import mega_moe_virtual
 from moestream.testing import make_routing, make_weights, routing_with_counts

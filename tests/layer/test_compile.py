@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moestream import MegaMoE, MoEConfig, SymmBuffer, mega_moe
-from moestream.integrations._tiny import VOCAB, moe_blocks, tiny_model
+from moestream.integrations.tiny import VOCAB, moe_blocks, tiny_model
 from moestream.integrations.transformers import MegaMoEExperts, replace_moe_blocks
 from moestream.reference import moe_forward, route
 from moestream.tuning import Tuning

@@ -33,9 +33,9 @@ from torch import nn
 
 # moestream first: transformers' model classes import Triton, and on a CPU-only machine moestream
 # must switch Triton to its interpreter before that happens.
-from moestream.integrations._tiny import (
+from moestream.integrations.tiny import (
     EXPERT_WIDTH, FAMILIES, HIDDEN, VOCAB, moe_blocks, tiny_config, tiny_model)
-from moestream.integrations.transformers import MegaMoEExperts, _ExpertsLayout, replace_moe_blocks
+from moestream.integrations.transformers import ExpertsLayout, MegaMoEExperts, replace_moe_blocks
 from moestream.testing import rel_error
 
 transformers = pytest.importorskip(
@@ -49,7 +49,7 @@ LOGITS_FP4W = 0.15
 H, I_MOE = HIDDEN, EXPERT_WIDTH
 
 
-# ---- models (moestream.integrations._tiny builds them; the multi-GPU tests use the same) -----
+# ---- models (moestream.integrations.tiny builds them; the multi-GPU tests use the same) -----
 
 def _config(family: str, *, single_moe_layer: bool):
     return tiny_config(family, single_moe_layer=single_moe_layer)
@@ -249,7 +249,7 @@ def test_extract_takes_this_ranks_experts(gen):
         experts.gate_up_proj.data.copy_(gu)
         experts.down_proj.data.copy_(dn)
         _to_layout(experts, layout)
-        spec = _ExpertsLayout("fused", 4, I_MOE, transposed=transposed, interleaved=interleaved)
+        spec = ExpertsLayout("fused", 4, I_MOE, transposed=transposed, interleaved=interleaved)
         w13, w2 = spec.extract(experts, range(2, 4))
         assert torch.equal(w13, gu[2:4]) and torch.equal(w2, dn[2:4]), layout
 
@@ -443,7 +443,6 @@ def test_several_ranks_are_checked_on_every_rank_before_anything_changes(gen, mo
     raise on this rank too, and nothing is modified."""
     import torch.distributed as dist
 
-    import moestream.integrations.transformers as tfi
     block = _qwen3_block(gen)                 # 4 experts
     experts = block.experts
     ranks, peer = {"n": 2}, {}
@@ -454,26 +453,26 @@ def test_several_ranks_are_checked_on_every_rank_before_anything_changes(gen, mo
         gathered.append(obj)
         out[:] = [obj] + [peer.get("summary", obj)] * (len(out) - 1)
 
-    monkeypatch.setattr(tfi, "_resolve_group", lambda group: ("a group", ranks["n"]))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: ranks["n"])
     monkeypatch.setattr(dist, "all_gather_object", fake_all_gather_object)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     with pytest.raises(ValueError, match=r"Qwen3MoeSparseMoeBlock.*with 2 ranks the experts and "
                                          r"buffers must be on a CUDA device"):
-        replace_moe_blocks(block, block_m=16)
+        replace_moe_blocks(block, group="a group", block_m=16)
     assert gathered[-1]["error"] is not None   # the peers were told before this rank raised
     ranks["n"] = 3
     with pytest.raises(ValueError, match=r"num_experts \(4\) must be divisible by the number of "
                                          r"ranks \(3\)"):
-        replace_moe_blocks(block, block_m=16, device="cuda")
+        replace_moe_blocks(block, group="a group", block_m=16, device="cuda")
     ranks["n"] = 2
     peer["summary"] = dict(error="rank 1's own reason", blocks=[])
     with pytest.raises(ValueError, match=r"rank 1 of the group could not replace its MoE blocks, "
                                          r"so no rank does: rank 1's own reason"):
-        replace_moe_blocks(block, block_m=16, device="cuda")
+        replace_moe_blocks(block, group="a group", block_m=16, device="cuda")
     peer["summary"] = dict(error=None, blocks=[])
     with pytest.raises(ValueError, match=r"same MoE blocks and arguments on every rank of the "
                                          r"group \(rank 0 vs rank 1: 1 vs 0 blocks\)"):
-        replace_moe_blocks(block, block_m=16, device="cuda")
+        replace_moe_blocks(block, group="a group", block_m=16, device="cuda")
     assert block.experts is experts
     assert gathered[-1]["error"] is None
     assert gathered[-1]["blocks"][0][1] == "Qwen3MoeSparseMoeBlock"

@@ -1,6 +1,6 @@
 """replace_moe_blocks with expert parallelism across real GPUs (EP = 2, one process per GPU).
 
-Each rank builds the same tiny random-weight model (moestream.integrations._tiny, same seed),
+Each rank builds the same tiny random-weight model (moestream.integrations.tiny, same seed),
 runs the original on its own batch (different tokens and a different batch size per rank),
 then calls ``replace_moe_blocks(model, group=WORLD)``: rank r keeps experts [r*E/2, (r+1)*E/2)
 and every MoE block's forward becomes a collective call. Workers return findings; the parent

@@ -95,7 +95,7 @@ def test_shared_memory_fits_and_staged_kernels_do_not_spill(compiled):
 
 
 def test_buffer_rows_move_in_vectors(compiled_rows):
-    # every buffer address comes from an int64 table (kernels/_common.peer_ptr): unless the
+    # every buffer address comes from an int64 table (kernels/common.peer_ptr): unless the
     # compiler is told the regions are 16-byte aligned, each row copy (dispatch, combine,
     # the GEMM epilogues, publish) compiles to one 1- or 2-byte access per value (slower
     # calls). No layer kernel, in any mode, may have such an access.
@@ -164,7 +164,7 @@ def test_decode_pieces_use_warpgroup_mma_without_spills(compiled_decode):
 
 
 def test_only_decode_pieces_store_with_a_cache_policy(compiled_rows):
-    # kernels/_common.DECODE_STORE_EVICT: decode pieces store what the next launch reads at L2
+    # kernels/common.DECODE_STORE_EVICT: decode pieces store what the next launch reads at L2
     # evict_last priority: the L2's combine slots (bf16 and fp8, staged and fused, split-K or
     # not) and the L1's pool_act rows (bf16, and fp8 values and scales, split-K or not).
     # Whole tiles and tail pieces (whose stores can be all of combine_y, a block per expert

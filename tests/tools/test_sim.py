@@ -548,7 +548,8 @@ def test_add_parser_wires_a_subcommand():
 # ---- validation against measured rows ---------------------------------------------------------
 from moestream.tools.sim import validate  # noqa: E402
 from moestream.tools.sim.validate import (NOT_GRAPH_FLAG, load_rows, provider_model,  # noqa: E402
-                                    register_provider, skip_reason, summarize)
+                                    register_provider, skip_reason, summarize,
+                                    unregister_provider)
 
 
 def _row(provider: str, measured_us: float, *, shape: str = "qwen3", ranks: int = 2,
@@ -577,15 +578,15 @@ def test_provider_names_map_to_granularities():
         assert "one persistent launch" in provider_model(staged).flag
     for other in ("torch", "torch-symm", "chunked-", "chunked-0x", "chunk0", "chunk-256", None):
         assert provider_model(other) is None
-    # moestream.tools.sim.validate is the function; its module is in sys.modules
-    registry = sys.modules["moestream.tools.sim.validate"]._EXACT
     register_provider("my-graph", granularity="token", flag="graph replay")
     try:
         assert provider_model("my-graph").flag == "graph replay"
         assert provider_model("my-graph").execution == "fused"
     finally:
-        registry.pop("my-graph")
+        unregister_provider("my-graph")
     assert provider_model("my-graph") is None
+    with pytest.raises(ValueError, match="my-graph"):
+        unregister_provider("my-graph")
     with pytest.raises(ValueError, match="granularity"):
         register_provider("x", granularity=0)
     with pytest.raises(ValueError, match="execution"):

@@ -5,7 +5,8 @@
 (shape, ranks, tokens_per_rank, routing) with the streaming mode its provider runs, and returns
 one row per measured row with the measured and predicted time.
 
-Which provider is which model (``provider_model``; extend with ``register_provider``):
+Which provider is which model (``provider_model``; extend with ``register_provider``, undo
+with ``unregister_provider``):
 
 ==============================  ==================  ============================================
 provider name                   granularity         flag
@@ -50,8 +51,9 @@ from ...config import SHAPES, MoEConfig
 from .calib import Calibration
 from .plan import Granularity, granularity_label, parse_granularity
 
-__all__ = ["validate", "summarize", "provider_model", "register_provider", "skip_reason",
-           "load_rows", "ProviderModel", "TOLERANCE", "validation_table", "EXECUTIONS"]
+__all__ = ["validate", "summarize", "provider_model", "register_provider",
+           "unregister_provider", "skip_reason", "load_rows", "ProviderModel", "TOLERANCE",
+           "validation_table", "EXECUTIONS"]
 
 TOLERANCE = 0.2   # "within 20%": |predicted / measured - 1| <= TOLERANCE
 
@@ -101,6 +103,12 @@ def register_provider(name: str, *, granularity: Granularity | str, flag: str = 
     if execution not in ("fused", "stream"):
         raise ValueError(f"execution must be 'fused' or 'stream', got {execution!r}")
     _EXACT[name] = ProviderModel(granularity, str(flag), execution, bool(graph))
+
+
+def unregister_provider(name: str) -> None:
+    """Forget the model of the exact provider name ``name`` (ValueError if it has none)."""
+    if _EXACT.pop(name, None) is None:
+        raise ValueError(f"no provider model is registered under the name {name!r}")
 
 
 def provider_model(provider: str) -> ProviderModel | None:

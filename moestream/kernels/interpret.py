@@ -1,7 +1,7 @@
 """Triton's interpreter without two costs that change nothing it computes, and with current
 numpy (CPU runs only).
 
-Installed by ``moestream.kernels._common`` where kernels run under TRITON_INTERPRET=1:
+Installed by ``moestream.kernels.common`` where kernels run under TRITON_INTERPRET=1:
 
 - ``index_scalars_with_item``: Triton 3.6 turns a scalar used as an index (``range(0, n)``
   with ``n`` a kernel value) into a Python int with ``int(array)`` on a one-element array,

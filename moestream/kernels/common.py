@@ -36,8 +36,8 @@ import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 if INTERPRET:
-    from ._interpret import (enable_overflow_checks, index_scalars_with_item,
-                             skip_discarded_overflow_checks, skip_repeated_patches)
+    from .interpret import (enable_overflow_checks, index_scalars_with_item,
+                            skip_discarded_overflow_checks, skip_repeated_patches)
     index_scalars_with_item()
     skip_repeated_patches()
     if os.environ.get("MOESTREAM_INTERPRET_CHECKS") == "1":
