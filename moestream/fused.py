@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from .buffer import SymmBuffer
-from .config import cdiv
+from .config import MoEConfig, cdiv
 from .kernels import fused as _fused
 from .kernels.common import INTERPRET, next_pow2
 from .launch import (a_rows, constants, ensure_allocator, gemm_weights, host_descriptors,
@@ -34,7 +34,7 @@ def max_tickets(buffer: SymmBuffer, tuning: Tuning) -> int:
     return buffer.local_ranks * per_rank
 
 
-def check_fused_tuning(cfg, tuning: Tuning) -> None:
+def check_fused_tuning(cfg: MoEConfig, tuning: Tuning) -> None:
     """What the fused launch needs of a tuning beyond ``Tuning.check`` (ValueError): fp4w
     weights expanded to fp8 blocks (it has no MXFP4 decode)."""
     if tuning.decodes_fp4w(cfg):

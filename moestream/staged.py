@@ -136,7 +136,7 @@ def l1(buffer: SymmBuffer, w13s: Sequence, *, tuning: Tuning = Tuning()) -> None
         w_shape=(E_LOC * 2, I, H) if one_dot else (E_LOC * 2 * I, H),
         a_rows=a_rows(cfg.block_m, cfg.block_m, dm, cfg.block_m if tail else 0), block_n=bn,
         block_k=bk)
-    split = tuning.l1.split_k if dm and not tail and not w4 else 1
+    split = tuning.l1.split_k if dm and not tail else 1
     sums, counts = split_scratch(buffer, tuning, "l1", split, (2, bn, dm))
     # the host's base in decode pieces only: whole tiles are slower with it, and there a
     # program's first loads weigh nothing

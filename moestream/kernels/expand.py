@@ -9,8 +9,8 @@ Legend (N rows of all experts stacked, K the reduction dimension; both multiples
 
 A 128x128 block with largest code C gets scale_inv = 2**(C - 133), and element (n, k) becomes
 e2m1 * 2**(code[n, k/32] - C + 6): at most 6 * 2**6 = 384 <= 448, and exact while the code is
-at least C - 14 (e4m3 holds e2m1 * 2**d for d in [-8, 6]). Smaller groups of the block round
-to nearest e4m3 (below 2**-9 * 2**(C - 133): under 2**-11 of the block's largest magnitude).
+at least C - 14 (e4m3 holds e2m1 * 2**d for d in [-8, 6]). A group further below rounds to
+the nearest e4m3: an error under half e4m3's subnormal step, 2**-10 * scale_inv.
 """
 from __future__ import annotations
 
