@@ -9,6 +9,7 @@
 #   layer-call, what the layer runs in bf16; fp8-layer-call in fp8)
 # CLOCKS=500: log SM clocks, power and temperature every 500 ms to $OUT/clocks.csv
 # TRACE_TUNING=l1.block_n=128: the trace step with Tuning overrides (dotted names) (moestream trace --tuning)
+# TRACE_ARGS="--virtual-ranks 2 --experts 32": further moestream trace arguments
 # EP_SKEW=0.3: the ep step with a hot expert (moestream bench --skew)
 set -u
 OUT=${OUT:-/tmp/moestream-out}
@@ -61,7 +62,7 @@ if has trace; then
   for spec in ${TRACES:-qwen3:8192:token dsv3:2048:token}; do
     IFS=: read -r shape tokens gran <<< "$spec"
     timeout ${TRACE_TIMEOUT:-120} python3 -m moestream.tools.cli trace --shape $shape --tokens $tokens \
-      --granularity $gran ${TRACE_TUNING:+--tuning $TRACE_TUNING} --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
+      --granularity $gran ${TRACE_TUNING:+--tuning $TRACE_TUNING} ${TRACE_ARGS:-} --out "$OUT/trace_${shape}_${tokens}_${gran}.png" \
       --json "$OUT/trace_${shape}_${tokens}_${gran}.json" 2>&1 | tee -a "$OUT/trace.log" | tail -12
   done
 fi

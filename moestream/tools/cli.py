@@ -348,13 +348,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except ValueError as e:
         con.print(f"[red]--tuning: {e}[/]")
         return 2
+    if args.virtual_ranks and args.ranks:
+        con.print("[red]--virtual-ranks runs on one GPU: leave out --ranks[/]")
+        return 2
     if not torch.cuda.is_available():
         con.print("[red]moestream trace needs CUDA GPUs[/] (the interpreter has no clock; the "
                   "tests cover the trace rows on the CPU)")
         return 2
     with con.status(f"tracing {args.shape}, {args.tokens} tokens/rank, {args.granularity}"):
-        rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks,
-                         granularity=args.granularity, seed=args.seed, tuning=overrides)
+        if args.virtual_ranks:   # R ranks in one launch on this process's GPU
+            from .. import MoEConfig
+            from .trace import collect_virtual
+            cfg = MoEConfig.from_shape(args.shape, max_tokens_per_rank=args.tokens)
+            if args.experts:
+                cfg = cfg.with_(num_experts=args.experts)
+            try:
+                cfg.experts_per_rank(args.virtual_ranks)
+            except ValueError as e:
+                con.print(f"[red]--virtual-ranks: {e}[/]")
+                return 2
+            rows = collect_virtual(cfg, ranks=args.virtual_ranks,
+                                   tokens=[args.tokens] * args.virtual_ranks, device="cuda",
+                                   granularity=args.granularity, seed=args.seed,
+                                   overrides=overrides)
+        else:
+            rows = run_trace(shape=args.shape, tokens=args.tokens, world=args.ranks,
+                             granularity=args.granularity, seed=args.seed, tuning=overrides)
     summary = summarize(rows)
     # one column per rank, one row per figure: fits a narrow terminal at any rank count
     t = Table(title=f"fused kernel trace: {args.shape}, {args.tokens} tokens/rank, "
@@ -378,10 +397,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     con.print(t)
     _save_plot(con, plot_timeline, rows, args.out,
                title=f"{args.shape}, {args.tokens} tokens/rank, "
-                     f"{torch.cuda.device_count()} GPUs, {args.granularity}")
+                     + (f"{args.virtual_ranks} virtual ranks on one GPU" if args.virtual_ranks
+                        else f"{torch.cuda.device_count()} GPUs") + f", {args.granularity}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(shape=args.shape, tokens_per_rank=args.tokens,
+                           virtual_ranks=args.virtual_ranks, experts=args.experts,
                            granularity=args.granularity, tuning=overrides, summary=summary,
                            rows=rows.tolist()), f)
         con.print(f"rows and summary saved to {args.json}")
@@ -523,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--granularity", type=_granularity_arg, default="token",
                     help="token, expert, or a chunk size C in tokens (a multiple of block_m)")
     tr.add_argument("--ranks", type=positive_int, default=None, help="GPUs (default: all)")
+    tr.add_argument("--virtual-ranks", type=positive_int, default=None,
+                    help="R virtual ranks in one launch on one GPU instead of one process "
+                         "per GPU")
+    tr.add_argument("--experts", type=positive_int, default=None,
+                    help="routed experts instead of the shape's (e.g. 32 on one GPU)")
     tr.add_argument("--seed", type=nonnegative_int, default=0)
     tr.add_argument("--out", default="trace.png", help="timeline PNG")
     tr.add_argument("--json", default=None, help="also save the rows and the summary")

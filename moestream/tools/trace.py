@@ -37,13 +37,16 @@ def _rows(trace: torch.Tensor) -> np.ndarray:
 
 
 def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | torch.device,
-                    granularity: int | str = "token", seed: int = 0, tuning=None) -> np.ndarray:
+                    granularity: int | str = "token", seed: int = 0, tuning=None,
+                    overrides: dict | None = None) -> np.ndarray:
     """One traced fused call on ``ranks`` virtual ranks in this process (random inputs and
-    weights; ``tokens[r]`` tokens on rank r, after one untraced warm-up call).
+    weights; ``tokens[r]`` tokens on rank r, after one untraced warm-up call). ``tuning``
+    (default: the policy's) with ``overrides`` (dotted ``Tuning`` names) on top.
 
     Returns int64 [tickets, 8] trace rows (columns as the module docstring lists)."""
     from ..buffer import SymmBuffer
     from ..fused import fused_tuning, run_fused
+    from ..launch import tuning_for
     from ..testing import make_routing, make_tokens, make_weights
     if len(tokens) != ranks:
         raise ValueError(f"tokens must list one count per rank ({ranks}), got {list(tokens)}")
@@ -57,6 +60,8 @@ def collect_virtual(config, *, ranks: int, tokens: Sequence[int], device: str | 
         idxs.append(i)
         ws.append(w)
     w13s, w2s = make_weights(config, ranks, generator=g, device=device)
+    if overrides:
+        tuning = (tuning or tuning_for(buf, max(tokens), impl="fused")).with_dotted(overrides)
     tuning = fused_tuning(buf, max(tokens), tuning=tuning, granularity=granularity)
     y = torch.empty(ranks, max(max(tokens), 1), config.hidden, dtype=torch.bfloat16,
                     device=device)

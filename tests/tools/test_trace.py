@@ -194,3 +194,50 @@ def test_trace_table_cells(monkeypatch, capsys, tmp_path):
     assert table["dispatch µs (tasks x µs)"] == ["0-10 (2 x 6.5)"]
     assert table["L1 µs (tasks x µs)"] == ["6-20 (1 x 14.0)"]
     assert table["combine µs (tasks x µs)"] == ["- (0)"]
+
+
+def test_trace_virtual_ranks_option(monkeypatch, capsys, tmp_path):
+    # moestream trace --virtual-ranks R: one traced launch of R ranks on this GPU, the shape's
+    # config with --experts routed experts, R equal token counts and the --tuning overrides;
+    # R that does not divide the experts, or --ranks beside it, is refused before any launch
+    import torch
+
+    import moestream.tools.trace as trace
+    from moestream.tools.cli import main
+    us = 1000
+    rows = np.array([_row(0, 0, 0, 4 * us), _row(1, 0, 4 * us, 9 * us, m_block=0),
+                     _row(0, 1, 0, 3 * us, sm=1), _row(3, 1, 3 * us, 8 * us, sm=1)],
+                    dtype=np.int64)
+    calls = []
+
+    def fake(config, **kw):
+        calls.append((config, kw))
+        return rows
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trace, "collect_virtual", fake)
+    monkeypatch.setattr(trace, "run_trace", lambda **kw: pytest.fail("spawned GPU processes"))
+    monkeypatch.setenv("COLUMNS", "400")
+    argv = ["trace", "--shape", "dsv3", "--tokens", "64", "--virtual-ranks", "2",
+            "--experts", "32", "--tuning", "fused.combine_tile=2", "--out",
+            str(tmp_path / "t.png")]
+    assert main(argv) == 0
+    ((cfg, kw),) = calls
+    assert cfg.num_experts == 32 and cfg.max_tokens_per_rank == 64
+    assert kw["ranks"] == 2 and kw["tokens"] == [64, 64]
+    assert kw["overrides"] == {"fused.combine_tile": 2}
+    assert "rank 1" in capsys.readouterr().out
+    assert main(["trace", "--shape", "dsv3", "--virtual-ranks", "3", "--experts", "32",
+                 "--out", str(tmp_path / "t.png")]) == 2
+    assert "--virtual-ranks" in capsys.readouterr().out
+    assert main(argv + ["--ranks", "2"]) == 2
+    assert "leave out --ranks" in capsys.readouterr().out
+    assert len(calls) == 1
+
+
+def test_collect_virtual_applies_tuning_overrides():
+    # overrides (dotted Tuning names) reach the traced launch: combine tasks of 2 tokens
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2,
+                    max_tokens_per_rank=8, block_m=16)
+    rows = collect_virtual(cfg, ranks=1, tokens=[7], device="cpu", seed=1,
+                           overrides={"fused.combine_tile": 2})
+    assert int((rows[:, 0] == 3).sum()) == -(-7 // 2)
