@@ -11,9 +11,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_PINS := torch==2.13.0 triton==3.6.0 numpy==2.4.6
 GPU_PY ?= python3
-# the GEMM bench's variants (moestream.tools.bench_kernels.VARIANTS); layer-call: what the
-# layer runs
-GEMM_VARIANTS ?= layer-call
+# the GEMM bench's variants (moestream.tools.bench_kernels.VARIANTS): what the layer runs in
+# bf16, fp8 and fp4w
+GEMM_VARIANTS ?= layer-call,fp8-layer-call,fp4w-layer-call
 MOESTREAM := PYTHONPATH=$(CURDIR) $(GPU_PY) -m moestream.tools.cli
 ONE_GPU_TOKENS ?= 1,8,64,512,2048,8192
 ONE_GPU_DTYPES ?= bf16,fp8,fp4w

@@ -28,7 +28,7 @@ import torch
 
 from ..config import SHAPES, MoEConfig
 
-__all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "time_cuda", "slowest", "floors",
+__all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "WEIGHT_BYTES", "time_cuda", "slowest", "floors",
            "routing_floors", "expected_touched_experts", "result_row", "append_rows",
            "update_rows", "load_rows", "machine_label", "results_path", "print_table",
            "plot_rows"]
@@ -51,6 +51,8 @@ _BYTES: dict[str, dict[str, float]] = {
     "fp4w": dict(weight=0.5 + 1.0 / 32, dispatch=1.0 + 4.0 / 128, combine=2.0),
 }
 FLOOR_DTYPES = tuple(_BYTES)
+# bytes per expert weight of each format (scales included)
+WEIGHT_BYTES: dict[str, float] = {k: v["weight"] for k, v in _BYTES.items()}
 
 # Keys every result row carries, in the order rows are written.
 ROW_KEYS = ("gpu", "num_gpus", "torch", "triton", "commit", "date", "shape", "ranks",
@@ -227,7 +229,8 @@ def floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *, tokens_
 
     Returns:
         dict with compute_us, weights_us, link_us, floor_us, bound ("compute", "weights" or
-        "link", the largest; ties go in that order), touched_experts, remote_pairs.
+        "link", the largest; ties go in that order), touched_experts, remote_pairs,
+        weight_bytes (of the touched experts' weights in ``dtype``, scales included).
     """
     H, I, E, K = _shape_dims(config_or_shape_dict)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks <= 0 or E % ranks:
@@ -274,7 +277,8 @@ def _rank_floor(H: int, I: int, *, pairs: float, touched_experts: int, remote_pa
     bound = max(parts, key=lambda k: parts[k])  # max keeps the first of equal values
     return dict(compute_us=compute_us, weights_us=weights_us, link_us=link_us,
                 floor_us=parts[bound], bound=bound, touched_experts=touched_experts,
-                remote_pairs=remote_pairs)
+                remote_pairs=remote_pairs,
+                weight_bytes=touched_experts * 3.0 * H * I * b["weight"])
 
 
 def routing_floors(config_or_shape_dict: MoEConfig | Mapping[str, int] | str, *,
@@ -370,8 +374,9 @@ def result_row(**fields: Any) -> dict[str, Any]:
     Required: shape, ranks, tokens_per_rank, dtype, provider, median_us, p20_us, p80_us.
     Filled automatically unless given: gpu, torch, triton, commit, date; num_gpus (= ranks);
     and, when ``shape`` is a name in SHAPES: tflops_per_gpu (6*T*K*H*I / median), link_gbps
-    (the remote bytes of the link floor / median), floor_us (``floors`` with default touched
-    experts; an ``experts`` field replaces the shape's expert count). efficiency = floor_us /
+    (the remote bytes of the link floor / median), floor_us and weight_bytes (``floors`` with
+    default touched experts: the bytes of the expert weights it reads, scales included; an
+    ``experts`` field replaces the shape's expert count). efficiency = floor_us /
     median_us unless given.
     """
     missing = [k for k in _REQUIRED_KEYS if k not in fields]
@@ -400,6 +405,7 @@ def result_row(**fields: Any) -> dict[str, Any]:
         row.setdefault("link_gbps", fl["remote_pairs"] * H * (b["dispatch"] + b["combine"])
                        / (median * 1e-6) / 1e9)
         row.setdefault("floor_us", fl["floor_us"])
+        row.setdefault("weight_bytes", fl["weight_bytes"])
     if "efficiency" not in row:
         row["efficiency"] = None if row["floor_us"] is None else float(row["floor_us"]) / median
     return {**{k: row[k] for k in ROW_KEYS}, **{k: v for k, v in row.items() if k not in ROW_KEYS}}

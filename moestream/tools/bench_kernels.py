@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from .. import staged
-from .bench import result_row, time_cuda
+from .bench import WEIGHT_BYTES, result_row, time_cuda
 from ..buffer import SymmBuffer
 from ..config import MoEConfig
 from ..launch import tuning_for
@@ -51,7 +51,19 @@ def _by_name(variants: list[GemmVariant]) -> dict[str, GemmVariant]:
 VARIANTS: dict[str, GemmVariant] = _by_name([
     GemmVariant("layer-call"),
     GemmVariant("fp8-layer-call", "fp8"),
+    GemmVariant("fp4w-layer-call", "fp4w"),
 ])
+
+
+def dequantized(w, dtype: str) -> torch.Tensor:
+    """fp32 weights [E, N, K] of one rank's ``w`` as the layer takes it: bf16 as it is, an fp8
+    (values, scale_inv) or fp4w (packed, scales) pair decoded."""
+    from ..quant import dequantize_weight_fp8_blocks, dequantize_weight_mxfp4
+    if dtype == "fp8":
+        return dequantize_weight_fp8_blocks(*w)
+    if dtype == "fp4w":
+        return dequantize_weight_mxfp4(*w)
+    return w.float()
 
 
 def uniform_routing(num_tokens: int, num_experts: int, top_k: int, *, first_expert: int = 0,
@@ -102,7 +114,8 @@ def _prepare(cfg: MoEConfig, R: int, M: int, variant: GemmVariant, device, gen):
 def _row(shape, R, M, E, provider, kernel, t, flops, byts, dtype="bf16", **extra) -> dict:
     from .bench import DEFAULT_CALIB
     us = t["median_us"]
-    floor = max(flops / (DEFAULT_CALIB[f"{dtype}_tflops"] * 1e6),
+    rate = "bf16_tflops" if dtype == "bf16" else "fp8_tflops"   # fp4w: fp8 MMAs
+    floor = max(flops / (DEFAULT_CALIB[rate] * 1e6),
                 byts / (DEFAULT_CALIB["weights_tbps"] * 1e6))
     return result_row(shape=shape, ranks=R, tokens_per_rank=M, dtype=dtype, provider=provider,
                       kernel=kernel, tokens_per_expert=M, experts=E, median_us=us,
@@ -127,9 +140,9 @@ def _l1_error(buf: SymmBuffer, cfg: MoEConfig, w13: torch.Tensor, packed: torch.
 
 
 def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> float:
-    """Our fp8 L1 output on rank 0 (dequantized) against fp32 math on the same fp8 bytes:
-    silu(x @ gate^T) * (x @ up^T) * weight, x and w dequantized."""
-    from ..quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    """Our fp8-token L1 output on rank 0 (dequantized) against fp32 math on the same bytes:
+    silu(x @ gate^T) * (x @ up^T) * weight, x and w (fp8 or fp4w) dequantized."""
+    from ..quant import dequantize_act_fp8
     from ..testing import rel_error
     H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
     bs = buf.view("block_start", 0).tolist()
@@ -141,7 +154,7 @@ def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> 
         return dequantize_act_fp8(r[:, :n].contiguous().view(torch.float8_e4m3fn),
                                   r[:, n:n + 4 * (n // 128)].contiguous().view(torch.float32))
     x = deq("pool_x", H).view(e_loc, M, H)
-    w = dequantize_weight_fp8_blocks(*w13q)                                  # [E, 2I, H]
+    w = dequantized(w13q, cfg.dtype)                                        # [E, 2I, H]
     h = torch.bmm(x, w.transpose(1, 2))
     ref = torch.nn.functional.silu(h[..., :I]) * h[..., I:]
     ref = ref.reshape(e_loc * M, I) * buf.view("pool_weight", 0)[rows][:, None]
@@ -151,11 +164,11 @@ def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> 
 def l2_error(buf: SymmBuffer, cfg: MoEConfig, w2, *, rank: int = 0) -> float:
     """The L2 output of local rank ``rank``'s experts against fp32 math on the L1 output it
     read: each valid pool row p of expert e (``pool_act``, dequantized in fp8) times w2[e]^T
-    (``w2`` [E/R, H, I] bf16, or the fp8 (values, scale_inv) pair), compared with the combine
+    (``w2`` [E/R, H, I] bf16, or the fp8 / fp4w pair), compared with the combine
     slot the row was written to (``pool_src``: source rank * T_MAX * K + token * K + k, on the
     source rank's buffer). Any routing; ``buf`` virtual (every rank local). A row the L2 did
     not write, or wrote to the wrong slot, shows up as a large error."""
-    from ..quant import dequantize_act_fp8, dequantize_weight_fp8_blocks
+    from ..quant import dequantize_act_fp8
     from ..testing import rel_error
     H, I, BM = cfg.hidden, cfg.intermediate, cfg.block_m
     slots = cfg.max_tokens_per_rank * cfg.top_k
@@ -167,7 +180,7 @@ def l2_error(buf: SymmBuffer, cfg: MoEConfig, w2, *, rank: int = 0) -> float:
     if cfg.fp8_tokens:
         act = dequantize_act_fp8(act[:, :I].contiguous().view(torch.float8_e4m3fn),
                                  act[:, I:I + 4 * (I // 128)].contiguous().view(torch.float32))
-        w2 = dequantize_weight_fp8_blocks(*w2)
+    w2 = dequantized(w2, cfg.dtype)
     ref = torch.cat([act[rows].float() @ w2[e].float().T for e, rows in enumerate(per_expert)])
     src = buf.view("pool_src", rank)[torch.cat(per_expert)].long()
     out = torch.empty_like(ref)
@@ -205,7 +218,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
     w2s = [(torch.randn(experts_per_rank, H, I, generator=gpu_gen, device=device)
             * I ** -0.5).bfloat16() for _ in range(R)]
     rows: list[dict] = []
-    w8 = None   # fp8 copies of the weights, made when an fp8 variant first needs them
+    wq: dict[str, tuple] = {}   # fp8 / fp4w copies of the weights, made when first needed
     for M in tokens_per_expert:
         K = picks_per_token(experts=E, rows_per_expert=M, ranks=R, top_k=dims["top_k"])
         t_max = E * M // (R * K)
@@ -220,19 +233,23 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             v = VARIANTS[name]
             cfg = replace(weights_cfg, block_m=v.block_m, dtype=v.dtype)
             buf, xs, idxs, tuning = _prepare(cfg, R, M, v, device, gen)
-            if v.dtype == "fp8":
-                if w8 is None:
-                    w8 = quantize_weights(w13s, w2s)
-                l1 = time_cuda(lambda: staged.l1(buf, w8[0], tuning=tuning), warmup=warmup,
+            if v.dtype in ("fp8", "fp4w"):
+                if v.dtype not in wq:
+                    wq[v.dtype] = quantize_weights(w13s, w2s, fmt=v.dtype)
+                w13q, w2q = wq[v.dtype]
+                # an expanded fp4w call (Tuning.fp4w_expand) times its expansion too
+                l1 = time_cuda(lambda: staged.l1(buf, w13q, tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
-                err = _l1_error_fp8(buf, cfg, w8[0][0], M, experts_per_rank)
-                l2 = time_cuda(lambda: staged.l2(buf, w8[1], tuning=tuning), warmup=warmup,
+                err = _l1_error_fp8(buf, cfg, w13q[0], M, experts_per_rank)
+                l2 = time_cuda(lambda: staged.l2(buf, w2q, tuning=tuning), warmup=warmup,
                                reps=reps, queue_ahead=True)
-                err2 = l2_error(buf, cfg, w8[1][0])
-                for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes // 2),
-                                               ("l2", l2, l2_flops, l2_bytes // 2)):
+                err2 = l2_error(buf, cfg, w2q[0])
+                per = WEIGHT_BYTES[v.dtype] / 2   # bytes per weight over bf16's
+                for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes * per),
+                                               ("l2", l2, l2_flops, l2_bytes * per)):
                     rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
-                                     dtype="fp8", l1_rel_error=err, l2_rel_error=err2))
+                                     dtype=v.dtype, l1_rel_error=err, l2_rel_error=err2,
+                                     weight_bytes=byts))
                 buf.destroy()
                 if progress:
                     progress()
@@ -253,7 +270,7 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
             for kernel, t, flops, byts in (("l1", l1, l1_flops, l1_bytes),
                                            ("l2", l2, l2_flops, l2_bytes)):
                 rows.append(_row(shape, R, M, E, f"ours:{name}", kernel, t, flops, byts,
-                                 l1_rel_error=err, l2_rel_error=err2))
+                                 l1_rel_error=err, l2_rel_error=err2, weight_bytes=byts))
             buf.destroy()   # before the next variant allocates its own
             if progress:
                 progress()
@@ -274,10 +291,11 @@ def bench_gemm(*, shape: str, tokens_per_expert: Iterable[int], experts_per_rank
         for kernel, fn, flops, byts in (("l1", torch_l1, l1_flops, l1_bytes),
                                         ("l2", torch_l2, l2_flops, l2_bytes)):
             t = time_cuda(fn, warmup=warmup, reps=reps, queue_ahead=True)
-            rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts))
+            rows.append(_row(shape, R, M, E, "torch:_grouped_mm", kernel, t, flops, byts,
+                             weight_bytes=byts))
         packed = acts = None
         torch.cuda.empty_cache()
-    if any(VARIANTS[n].dtype == "fp8" for n in names):
+    if any(VARIANTS[n].dtype != "bf16" for n in names):
         rows.append(_dense_fp8_row(shape, warmup=warmup, reps=reps, device=device))
     return rows
 

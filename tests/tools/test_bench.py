@@ -67,6 +67,13 @@ def test_fp4w_floors_read_half_the_fp8_weight_bytes() -> None:
     want = (0.5 + 1 / 32) / (1 + 4 / 128 ** 2)
     assert fp4w["weights_us"] / fp8["weights_us"] == pytest.approx(want)
     assert fp4w["link_us"] == fp8["link_us"] and fp4w["compute_us"] == fp8["compute_us"]
+    # the bytes behind the weight floor: every touched expert's three H x I matrices
+    H, I = SHAPES["dsv3"]["hidden"], SHAPES["dsv3"]["intermediate"]
+    assert fp4w["weight_bytes"] == fp4w["touched_experts"] * 3 * H * I * (0.5 + 1 / 32)
+    assert fp4w["weight_bytes"] / fp8["weight_bytes"] == pytest.approx(want)
+    row = result_row(shape="dsv3", ranks=2, tokens_per_rank=8, dtype="fp4w", provider="x",
+                     median_us=100.0, p20_us=99.0, p80_us=101.0)
+    assert row["weight_bytes"] == fp4w["weight_bytes"]
 
 
 def test_single_rank_has_no_link_floor() -> None:
@@ -513,7 +520,7 @@ def test_gemm_bench_routing_gives_every_expert_exactly_its_rows():
         assert rows.tolist() == [M] * E, (E, M, R, K)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp4w"])
 def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
     # bench_kernels.l2_error (the GEMM bench's l2_rel_error): after a staged call on two
     # virtual ranks (random routing, ragged expert counts), each valid pool row's L2 output
@@ -528,8 +535,8 @@ def test_gemm_bench_checks_the_l2_rows_it_times(gen, dtype):
                     max_tokens_per_rank=12, block_m=16, dtype=dtype)
     buf = SymmBuffer(cfg, num_ranks=2, device="cpu")
     w13s, w2s = make_weights(cfg, 2, generator=gen)
-    if dtype == "fp8":
-        w13s, w2s = quantize_weights(w13s, w2s, fmt="fp8")
+    if dtype != "bf16":
+        w13s, w2s = quantize_weights(w13s, w2s, fmt=dtype)
     xs = [make_tokens(T, cfg.hidden, generator=gen) for T in (11, 7)]
     rts = [make_routing(x.shape[0], cfg.num_experts, cfg.top_k, generator=gen) for x in xs]
     y = torch.empty(2, 11, cfg.hidden, dtype=torch.bfloat16)
