@@ -8,6 +8,7 @@ the GPU compiler sees (the interpreter accepts more), before any GPU time is spe
 
     TRITON_INTERPRET=0 python -m moestream.tools.aot [--shape dsv3] [--json] [--loops]
     TRITON_INTERPRET=0 python -m moestream.tools.aot --fp8 [--block-m 64] [--warps 8] [--json]
+    TRITON_INTERPRET=0 python -m moestream.tools.aot --fused-forms [--shapes qwen3] [--json]
 
 Each kernel's row also carries its innermost SASS loops (``loops``: instructions, MMAs and
 local-memory spill operations per trip; the K loops of the GEMMs) and ``sass_hash``, a hash
@@ -30,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["compile_layer", "compile_quant_gemms", "main"]
+__all__ = ["compile_layer", "compile_quant_gemms", "compile_fused_forms", "main"]
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
 
@@ -332,6 +333,57 @@ def compile_layer(*, shape: str = "dsv3", capability: int = 90,
     return _facts(compiled)
 
 
+def compile_fused_forms(*, shapes: tuple[str, ...] = ("qwen3", "mixtral", "dsv3", "v4flash"),
+                        dtypes: tuple[str, ...] = ("bf16", "fp8"),
+                        tokens: tuple[int, ...] = (1, 8, 64, 512, 2048, 8192),
+                        ranks: tuple[int, ...] = (1, 2), capability: int = 90) -> list[dict]:
+    """Compile the fused kernel in every form ``tuning.select`` picks on an H200 (132 SMs) for
+    ``shapes`` x ``dtypes`` x ``tokens`` per rank x ``ranks`` virtual ranks on one GPU (dsv3
+    and v4flash with 32 experts, one EP8 rank's share), in-kernel and host-built descriptors;
+    one dict per distinct compiled form (as ``compile_layer``'s) with ``users``, the calls
+    that launch it."""
+    import torch
+
+    from ..buffer import SymmBuffer
+    from ..config import MoEConfig
+    from ..fused import run_fused
+    from ..testing import make_routing, make_tokens
+    from ..tuning import Device, select
+
+    compiled: dict[str, tuple] = {}
+    label = [""]
+    gen = torch.Generator().manual_seed(0)
+    with _compile_only(capability, compiled, label):
+        for shape in shapes:
+            for dtype in dtypes:
+                cfg = MoEConfig.from_shape(shape, max_tokens_per_rank=16, dtype=dtype)
+                if shape in ("dsv3", "v4flash"):
+                    cfg = cfg.with_(num_experts=32)
+                for R in ranks:
+                    buf = SymmBuffer(cfg, num_ranks=R, device="cpu")
+                    w13s, w2s = _tiny_weights(cfg, R)
+                    xs = [make_tokens(8, cfg.hidden, generator=gen) for _ in range(R)]
+                    rts = [make_routing(8, cfg.num_experts, cfg.top_k, generator=gen)
+                           for _ in range(R)]
+                    y = torch.empty(R, 8, cfg.hidden, dtype=torch.bfloat16)
+                    args = (buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
+                    for T in tokens:
+                        t = select(cfg.with_(max_tokens_per_rank=T), T, ranks=R,
+                                   device=Device(132, True), impl="fused").with_(use_tma=True)
+                        for host in (False, True) if R == 1 else (False,):
+                            label[0] = f" {shape} {dtype} T={T} R={R}" + (" host" * host)
+                            run_fused(*args, tuning=t.with_(host_descriptors=host))
+    users: dict[str, list[str]] = {}   # compiled kernel hash -> its calls
+    first: dict[str, tuple] = {}
+    for key, (name, kernel) in compiled.items():
+        if name == "fused_kernel":
+            users.setdefault(kernel.hash, []).append(key.split("] ", 1)[1])
+            first.setdefault(kernel.hash, (key, (name, kernel)))
+    rows = _facts(dict(first.values()))
+    by_key = {key: h for h, (key, _) in first.items()}
+    return [dict(row, users=users[by_key[row["kernel"]]]) for row in rows]
+
+
 def _tiny_weights(cfg, ranks):
     """Weight tensors of the right shapes without drawing GBs of random numbers (the
     compiler only looks at their types and alignment)."""
@@ -369,6 +421,15 @@ def main(argv=None) -> int:
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--fused-forms", action="store_true",
+                   help="the fused kernel in every form the tuning policy picks for "
+                        "--shapes x --dtypes x --tokens x --ranks (slow: about 80 compiles "
+                        "by default), with the calls that use each")
+    p.add_argument("--shapes", default="qwen3,mixtral,dsv3,v4flash", help="--fused-forms")
+    p.add_argument("--dtypes", default="bf16,fp8", help="--fused-forms")
+    p.add_argument("--tokens", default="1,8,64,512,2048,8192",
+                   help="--fused-forms: tokens per rank")
+    p.add_argument("--ranks", default="1,2", help="--fused-forms: virtual ranks on one GPU")
     p.add_argument("--loops", action="store_true",
                    help="also list each kernel's innermost loops with MMAs (the K loops)")
     args = p.parse_args(argv)
@@ -377,6 +438,11 @@ def main(argv=None) -> int:
                                    intermediate=args.intermediate, block_m=args.block_m,
                                    block_n=args.block_n, num_warps=args.warps,
                                    num_stages=args.stages)
+    elif args.fused_forms:
+        rows = compile_fused_forms(shapes=tuple(args.shapes.split(",")),
+                                   dtypes=tuple(args.dtypes.split(",")),
+                                   tokens=tuple(int(t) for t in args.tokens.split(",")),
+                                   ranks=tuple(int(r) for r in args.ranks.split(",")))
     else:
         rows = compile_layer(shape=args.shape)
     for r in rows:
@@ -386,6 +452,8 @@ def main(argv=None) -> int:
             print(f"{r['kernel']:34s} smem {r['shared_bytes']:>7d}  regs {r['registers']}  "
                   f"stack {r['stack_bytes']}  HGMMA {r['hgmma']}  QGMMA {r['qgmma']}  "
                   f"HMMA {r['hmma']}  sass {r['sass_hash']}")
+            if args.fused_forms:
+                print(f"    used by: {', '.join(r['users'])}")
             if args.loops:
                 for lp in r["loops"]:
                     if lp["mma"]:

@@ -318,3 +318,26 @@ def test_sass_loops_and_hash_read_cuobjdump_text():
     assert sass_hash(moved) == sass_hash(ins)
     renamed = [(a, t.replace("R24", "R26")) for a, t in ins]
     assert sass_hash(renamed) != sass_hash(ins)
+
+
+def test_fused_forms_of_decode_calls():
+    # `moestream.tools.aot --fused-forms` on qwen3 bf16 at 1 and 8 tokens (decode pieces, one
+    # rank with in-kernel and host descriptors, two virtual ranks): every call is listed under
+    # exactly one compiled form; each form uses warpgroup MMAs, fits shared memory, keeps its
+    # K loops free of spills and fits the two programs per SM the policy launches it with
+    from moestream.launch import resident_per_sm
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "moestream.tools.aot", "--fused-forms",
+                          "--shapes", "qwen3", "--dtypes", "bf16", "--tokens", "1,8", "--json"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    forms = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    users = sorted(u for f in forms for u in f["users"])
+    assert users == sorted(f"qwen3 bf16 T={T} R={R}{host}" for T in (1, 8)
+                           for R, host in ((1, ""), (1, " host"), (2, "")))
+    for f in forms:
+        assert f["name"] == "fused_kernel" and f["hgmma"] > 0 and f["hmma"] == 0, f
+        assert f["shared_bytes"] <= SM90_SHARED_LIMIT, f
+        assert all(lp["local_ops"] == 0 for lp in f["loops"] if lp["mma"]), f["loops"]
+        assert resident_per_sm(registers=f["registers"], shared_bytes=f["shared_bytes"],
+                               warps=f["num_warps"]) >= 2, f
