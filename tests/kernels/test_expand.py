@@ -66,3 +66,16 @@ def test_expansion_rounds_groups_far_below_their_block(device, gen):
     assert torch.equal(got[~far], ref[~far])
     err = (got[far] - ref[far]).abs().max()
     assert 0 < err <= 2.0 ** -10 * s[0, 0, 0]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("span", [11, 12, 14])
+def test_expansion_is_exact_up_to_14_binades(device, gen, span):
+    # a block whose codes span 11 binades (its smallest group's 0.5 still a normal e4m3), 12
+    # (that 0.5 an e4m3 subnormal) and 14 (the last exact span), every e2m1 code present
+    packed = torch.randint(0, 256, (1, 128, 64), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(120 - span, 121, (1, 128, 4), generator=gen, dtype=torch.uint8)
+    codes[0, 0, 0], codes[0, 1, 1] = 120, 120 - span
+    packed, codes = packed.to(device), codes.to(device)
+    got, _ = expanded(packed, codes)
+    assert torch.equal(got, dequantize_weight_mxfp4(packed, codes))
