@@ -151,26 +151,35 @@ def _gemm_section() -> list[str]:
     out = ["## The grouped GEMMs alone", "", _provenance(rows, "gemm"), ""]
     if not rows:
         return out
-    out += ["Each GEMM as the layer launches it for the call (`ours:layer-call`) against "
-            "`torch._grouped_mm` on the same data: median µs, TFLOP/s, and at 16 rows per "
-            "expert the weight stream in TB/s.", "",
-            "| shape | GEMM | rows/expert | ours µs | torch µs | ours / torch time | "
-            "ours TFLOP/s | ours weight TB/s |", "|---|---|---|---|---|---|---|---|"]
-    at = _index(rows, "shape", "kernel", "tokens_per_expert", "provider")
+    variants = (("bf16", "ours:layer-call"), ("fp8", "ours:fp8-layer-call"),
+                ("fp4w", "ours:fp4w-layer-call"))
+    out += ["Each GEMM as the layer launches it for the call in bf16, fp8 and fp4w (an "
+            "expanded fp4w call includes its expansion) against `torch._grouped_mm` (bf16) on "
+            "the same data: median µs, TFLOP/s, and the weight bytes each format reads.", "",
+            "| shape | GEMM | rows/expert | " + " | ".join(f"{d} µs (TFLOP/s)" for d, _ in variants)
+            + " | torch µs | weight MB " + " / ".join(d for d, _ in variants) + " |",
+            "|---|---|---|" + "---|" * (len(variants) + 2)]
+    at = _index([r for r in rows if "tokens_per_expert" in r], "shape", "kernel",
+                "tokens_per_expert", "provider")
+    ms = sorted({k[2] for k in at})
     for shape in SHAPES:
         for kernel in ("l1", "l2"):
-            for m in sorted({r["tokens_per_expert"] for r in rows}):
-                ours = at.get((shape, kernel, m, "ours:layer-call"))
-                ref = next((r for k, r in at.items() if k[:3] == (shape, kernel, m)
-                            and str(k[3]).startswith("torch")), None)
-                if ours is None:
+            for m in ms:
+                got = [at.get((shape, kernel, m, p)) for _, p in variants]
+                ref = at.get((shape, kernel, m, "torch:_grouped_mm"))
+                if not any(got):
                     continue
-                ratio = f"{ours['median_us'] / ref['median_us']:.2f}" if ref else "-"
-                tbps = ours.get("weight_tbps")
-                out.append(f"| {shape} | {kernel.upper()} | {m} | {_us(ours['median_us'])} | "
-                           f"{_us(ref['median_us']) if ref else '-'} | {ratio} | "
-                           f"{ours['tflops_per_gpu']:.0f} | "
-                           f"{f'{tbps:.2f}' if tbps and m <= 16 else '-'} |")
+                cells = [f"{_us(g['median_us'])} ({g['tflops_per_gpu']:.0f})" if g else "-"
+                         for g in got]
+                mb = [f"{g['weight_bytes'] / 1e6:.0f}" if g and g.get("weight_bytes") else "-"
+                      for g in got]
+                out.append(f"| {shape} | {kernel.upper()} | {m} | " + " | ".join(cells)
+                           + f" | {_us(ref['median_us']) if ref else '-'} | "
+                           + " / ".join(mb) + " |")
+    dense = [r for r in rows if r["provider"] == "torch:_scaled_mm"]
+    if dense:
+        out += ["", f"Dense fp8 rate (`torch._scaled_mm`, 8192^3): "
+                    f"{max(r['tflops_per_gpu'] for r in dense):.0f} TFLOP/s."]
     return out
 
 
