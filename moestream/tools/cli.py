@@ -3,8 +3,9 @@ kernels run in Triton's interpreter (correct, not fast).
 
     moestream run          the layer here, every path checked against the reference (any)
     moestream check        versions, GPUs and symmetric memory of this install (any)
-    moestream bench        the layer over all GPUs vs all_to_all + grouped GEMM, or the
-                           grouped GEMMs alone with --virtual-ranks (GPU)
+    moestream bench        the layer over all GPUs vs all_to_all + grouped GEMM, the
+                           grouped GEMMs alone with --virtual-ranks, or the layer on R
+                           virtual ranks of one GPU with --virtual-ranks R --layer (GPU)
     moestream bench-layer  one transformers MoE decoder layer, its experts vs ours (GPU)
     moestream trace        the timeline of one fused-kernel call (GPU)
     moestream probe        this machine's calibration for the simulator (GPU)
@@ -241,7 +242,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         con.print("[red]moestream bench needs a CUDA GPU[/] (moestream run and the tests "
                   "cover the CPU)")
         return 2
-    if args.virtual_ranks:
+    if args.layer and not args.virtual_ranks:
+        con.print("[red]--layer needs --virtual-ranks R (the layer over the GPUs is the "
+                  "default without either)[/]")
+        return 2
+    if args.layer:
+        from .bench_virtual import bench_virtual
+        with progress(con) as prog:
+            total = len(args.shapes) * len(args.dtype) * len(args.tokens)
+            task = prog.add_task("virtual ranks", total=total)
+            try:
+                rows = bench_virtual(shapes=args.shapes, tokens=args.tokens,
+                                     ranks=args.virtual_ranks, dtypes=args.dtype,
+                                     impls=args.impl, experts=args.experts, reps=args.reps,
+                                     graph=args.graph,
+                                     progress=lambda label: prog.update(
+                                         task, advance=1, description=label))
+            except ValueError as e:
+                con.print(f"[red]{e}[/]")
+                return 2
+        out = Path(args.out or results_path("layer_virtual", num_gpus=1))
+        cols = ["shape", "ranks", "tokens_per_rank", "dtype", "provider", "median_us",
+                "p20_us", "p80_us", "tflops_per_gpu", "agrees"]
+    elif args.virtual_ranks:
         from .bench_kernels import VARIANTS, bench_gemm
         variants = args.variants or list(VARIANTS)
         unknown = [v for v in variants if v not in VARIANTS]
@@ -517,7 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block-m", type=positive_int, default=None,
                    help="our layer's m-block rows instead of the shape's")
     b.add_argument("--virtual-ranks", type=positive_int, default=None,
-                   help="the GEMM bench on one GPU over R virtual ranks")
+                   help="the GEMM bench on one GPU over R virtual ranks (with --layer: the "
+                        "layer)")
+    b.add_argument("--layer", action="store_true",
+                   help="with --virtual-ranks R: the whole layer on R virtual ranks in one "
+                        "process (--impl, --dtype, --tokens, --experts, --graph)")
     b.add_argument("--tokens-per-expert", type=positive_ints, default=[16, 128, 512, 2048],
                    help="GEMM bench: rows per expert, comma list")
     b.add_argument("--experts-per-rank", type=positive_int, default=32,

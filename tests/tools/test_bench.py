@@ -724,3 +724,67 @@ def test_skewed_bench_rows_take_the_floor_of_their_routing() -> None:
                    for a, b in zip(idxs0, idxs1)) / 2 for d in ("bf16", "fp8")}
     assert (bf0, fp0) == (bf1, fp1) == pytest.approx((want["bf16"], want["fp8"]))
     assert bf0 > fp0 > 0     # fp8 reads half the weight bytes
+
+
+def test_virtual_layer_bench_rows(gen):
+    # bench_virtual on the CPU interpreter (2 virtual ranks, tiny dims, odd expert count):
+    # one row per tokens x format x launch, each with its ranks on one GPU, the whole GPU's
+    # TFLOP/s, no per-rank floor, and the fused output checked against the staged one
+    from moestream.tools.bench_virtual import bench_virtual
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=6, top_k=2,
+                    max_tokens_per_rank=8, block_m=16)
+    rows = bench_virtual(shapes=[cfg], tokens=[1, 7], ranks=2, dtypes=["bf16", "fp8"],
+                         reps=1, warmup=0, device="cpu")
+    got = [(r["tokens_per_rank"], r["dtype"], r["provider"]) for r in rows]
+    assert got == [(T, d, f"{'' if d == 'bf16' else d + '-'}{i}")
+                   for d in ("bf16", "fp8") for T in (1, 7) for i in ("staged", "fused")]
+    for r in rows:
+        assert (r["ranks"], r["num_gpus"], r["virtual_ranks"]) == (2, 1, 2)
+        assert r["floor_us"] is None and r["efficiency"] is None
+        assert r["tflops_per_gpu"] == pytest.approx(
+            6 * 2 * r["tokens_per_rank"] * 2 * 128 * 128 / r["median_us"] / 1e6)
+        assert r["agrees"] is True and r["fused_vs_staged"] < 1e-2
+    alone = bench_virtual(shapes=[cfg], tokens=[3], ranks=2, impls=["fused"], reps=1,
+                          warmup=0, device="cpu")
+    assert [r["provider"] for r in alone] == ["fused"] and alone[0]["agrees"] is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ranks=4), "divisible|divide"),            # 6 experts over 4 ranks
+    (dict(ranks=2, impls=["chunked"]), "impls must be among"),
+    (dict(ranks=2, dtypes=["fp16"]), "impls must be among"),
+    (dict(ranks=2, tokens=[0]), "tokens must be ints >= 1"),
+    (dict(ranks=0), "ranks must be an int >= 1"),
+])
+def test_virtual_layer_bench_rejects_bad_arguments(kwargs, match):
+    from moestream.tools.bench_virtual import bench_virtual
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=6, top_k=2,
+                    max_tokens_per_rank=8, block_m=16)
+    with pytest.raises(ValueError, match=match):
+        bench_virtual(**{"shapes": [cfg], "tokens": [3], "device": "cpu", **kwargs})
+
+
+def test_bench_layer_option_runs_the_virtual_layer_bench(monkeypatch, tmp_path, capsys):
+    # moestream bench --virtual-ranks 2 --layer: the options reach bench_virtual and its rows
+    # land in --out; --layer without --virtual-ranks is refused
+    import moestream.tools.bench_virtual as bv
+    from moestream.tools.cli import main
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return [dict(shape="qwen3", ranks=2, num_gpus=1, tokens_per_rank=64, dtype="fp8",
+                     provider="fp8-fused-graph", median_us=10.0, p20_us=9.0, p80_us=11.0,
+                     tflops_per_gpu=1.0, agrees=True)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bv, "bench_virtual", fake)
+    out = tmp_path / "vr.jsonl"
+    assert main(["bench", "--virtual-ranks", "2", "--layer", "--shapes", "qwen3", "--tokens",
+                 "64", "--dtype", "fp8", "--impl", "fused", "--experts", "32", "--out",
+                 str(out)]) == 0
+    (kw,) = calls
+    assert (kw["ranks"], kw["tokens"], kw["dtypes"], kw["impls"], kw["experts"]) == (
+        2, [64], ["fp8"], ["fused"], 32)
+    assert [r["provider"] for r in load_rows(out)] == ["fp8-fused-graph"]
+    assert main(["bench", "--layer", "--out", str(out)]) == 2
+    assert "--layer needs --virtual-ranks" in capsys.readouterr().out
