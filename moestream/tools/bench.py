@@ -28,8 +28,8 @@ import torch
 
 from ..config import SHAPES, MoEConfig
 
-__all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "WEIGHT_BYTES", "time_cuda", "slowest", "floors",
-           "routing_floors", "expected_touched_experts", "result_row", "append_rows",
+__all__ = ["DEFAULT_CALIB", "ROW_KEYS", "FLOOR_DTYPES", "WEIGHT_BYTES", "time_cuda", "slowest",
+           "floors", "routing_floors", "expected_touched_experts", "result_row", "append_rows",
            "update_rows", "load_rows", "machine_label", "results_path", "print_table",
            "plot_rows"]
 

@@ -55,7 +55,7 @@ VARIANTS: dict[str, GemmVariant] = _by_name([
 ])
 
 
-def dequantized(w, dtype: str) -> torch.Tensor:
+def _dequantized(w, dtype: str) -> torch.Tensor:
     """fp32 weights [E, N, K] of one rank's ``w`` as the layer takes it: bf16 as it is, an fp8
     (values, scale_inv) or fp4w (packed, scales) pair decoded."""
     from ..quant import dequantize_weight_fp8_blocks, dequantize_weight_mxfp4
@@ -154,7 +154,7 @@ def _l1_error_fp8(buf: SymmBuffer, cfg: MoEConfig, w13q, M: int, e_loc: int) -> 
         return dequantize_act_fp8(r[:, :n].contiguous().view(torch.float8_e4m3fn),
                                   r[:, n:n + 4 * (n // 128)].contiguous().view(torch.float32))
     x = deq("pool_x", H).view(e_loc, M, H)
-    w = dequantized(w13q, cfg.dtype)                                        # [E, 2I, H]
+    w = _dequantized(w13q, cfg.dtype)                                        # [E, 2I, H]
     h = torch.bmm(x, w.transpose(1, 2))
     ref = torch.nn.functional.silu(h[..., :I]) * h[..., I:]
     ref = ref.reshape(e_loc * M, I) * buf.view("pool_weight", 0)[rows][:, None]
@@ -180,7 +180,7 @@ def l2_error(buf: SymmBuffer, cfg: MoEConfig, w2, *, rank: int = 0) -> float:
     if cfg.fp8_tokens:
         act = dequantize_act_fp8(act[:, :I].contiguous().view(torch.float8_e4m3fn),
                                  act[:, I:I + 4 * (I // 128)].contiguous().view(torch.float32))
-    w2 = dequantized(w2, cfg.dtype)
+    w2 = _dequantized(w2, cfg.dtype)
     ref = torch.cat([act[rows].float() @ w2[e].float().T for e, rows in enumerate(per_expert)])
     src = buf.view("pool_src", rank)[torch.cat(per_expert)].long()
     out = torch.empty_like(ref)

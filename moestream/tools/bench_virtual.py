@@ -15,25 +15,20 @@ import torch
 
 from ..buffer import SymmBuffer
 from ..config import MoEConfig
-from ..fused import run_fused
-from ..staged import run_staged
+from ..ops import IMPLS, runner
 from ..testing import TOLERANCE, make_routing, make_tokens, quantize_weights, rel_error
 from .bench import result_row, time_cuda
+from .bench_ep import randn_bf16
 
-__all__ = ["bench_virtual", "IMPLS"]
-
-IMPLS = ("staged", "fused")
-_RUN = {"staged": run_staged, "fused": run_fused}
+__all__ = ["bench_virtual"]
 
 
 def _weights(cfg: MoEConfig, ranks: int, dtype: str, gen: torch.Generator, dev) -> tuple:
-    """Per-rank experts with unit-variance activations, drawn on ``dev`` one rank at a time,
-    quantized for fp8 / fp4w."""
+    """Per-rank experts with unit-variance activations, drawn on ``dev``, quantized for fp8 /
+    fp4w."""
     e_loc, H, I = cfg.experts_per_rank(ranks), cfg.hidden, cfg.intermediate
-    w13s = [(torch.randn(e_loc, 2 * I, H, generator=gen, device=dev) * H ** -0.5).bfloat16()
-            for _ in range(ranks)]
-    w2s = [(torch.randn(e_loc, H, I, generator=gen, device=dev) * I ** -0.5).bfloat16()
-           for _ in range(ranks)]
+    w13s = [randn_bf16((e_loc, 2 * I, H), H ** -0.5, gen, dev) for _ in range(ranks)]
+    w2s = [randn_bf16((e_loc, H, I), I ** -0.5, gen, dev) for _ in range(ranks)]
     return (w13s, w2s) if dtype == "bf16" else quantize_weights(w13s, w2s, fmt=dtype)
 
 
@@ -95,9 +90,8 @@ def bench_virtual(*, shapes: Sequence[str | MoEConfig], tokens: Sequence[int], r
                 for impl in impls:
                     y = torch.empty(ranks, T, cfg.hidden, dtype=torch.bfloat16, device=dev)
 
-                    def call(impl=impl, y=y):
-                        _RUN[impl](buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s,
-                                   w2s, y)
+                    def call(run=runner(impl, "token"), y=y):
+                        run(buf, xs, [r[0] for r in rts], [r[1] for r in rts], w13s, w2s, y)
                     call()   # compiles, warms up; a stall is reported here, not timed
                     buf.check()
                     fn = call
